@@ -1,0 +1,131 @@
+// The static handler table of a kernel library.
+//
+// XLA_FFI_REGISTER_HANDLER needs the runtime's XLA_FFI_Api* at load time, and no runtime that
+// loads our library exports one. So each handler is added here to a table instead, beside its
+// definition, and the library exports one C function returning that table. torch_xla_ext's
+// binders push the table into every XLA runtime of the process (torch_xla, PJRT plugins, JAX).
+//
+// Use from a kernel library (ours, or a user's built outside this tree):
+//
+//   #include "xla_ext/registry.h"
+//   XLA_FFI_DEFINE_HANDLER(kMyAddHost, MyAddHost, ffi::Ffi::Bind()...);
+//   XLA_EXT_REGISTER_KERNEL("my_add", "Host", kMyAddHost, XLA_EXT_NO_TRAITS);
+//
+// then `torch_xla_ext.load_kernels("libmy_kernels.so")`.
+#ifndef XLA_EXT_REGISTRY_H_
+#define XLA_EXT_REGISTRY_H_
+
+#include <stdint.h>
+
+#include "xla/ffi/api/c_api.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Bumped whenever XlaExtKernelTable or XlaExtKernel change layout.
+#define XLA_EXT_KERNEL_TABLE_ABI 1
+#define XLA_EXT_KERNEL_TABLE_SYMBOL "xla_ext_kernel_table"
+#define XLA_EXT_NO_TRAITS 0u
+
+typedef struct XlaExtKernel {
+  const char* target;        // custom-call target name, e.g. "xla_ext.paged_attention"
+  const char* platform;      // XLA platform name: "Host" or "CUDA"
+  XLA_FFI_Handler* handler;  // execute stage
+  uint32_t traits;           // XLA_FFI_Handler_TraitsBits
+} XlaExtKernel;
+
+typedef struct XlaExtKernelTable {
+  uint32_t abi;              // XLA_EXT_KERNEL_TABLE_ABI
+  int32_t ffi_api_major;     // XLA_FFI_API_MAJOR/MINOR of the headers the handlers were
+  int32_t ffi_api_minor;     // compiled against
+  uint32_t num_kernels;
+  const XlaExtKernel* kernels;
+  const char* error;         // non-null when a registration was refused (e.g. a duplicate)
+} XlaExtKernelTable;
+
+typedef const XlaExtKernelTable* (*XlaExtKernelTableFn)(void);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+// Code that reads tables (the binders) includes the types above and nothing else.
+#if defined(__cplusplus) && !defined(XLA_EXT_TABLE_TYPES_ONLY)
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace xla_ext::registry {
+
+// One registry per shared object: hidden, so that two kernel libraries in one process never
+// share (or interpose) each other's tables.
+struct __attribute__((visibility("hidden"))) Registry {
+  std::vector<XlaExtKernel> kernels;
+  std::string error;
+  XlaExtKernelTable table{};
+
+  static Registry& Get() {
+    static Registry registry;
+    return registry;
+  }
+
+  bool Add(const char* target, const char* platform, XLA_FFI_Handler* handler,
+           uint32_t traits) {
+    for (const XlaExtKernel& k : kernels) {
+      if (std::strcmp(k.target, target) == 0 && std::strcmp(k.platform, platform) == 0) {
+        if (error.empty()) {
+          error = std::string("duplicate registration of target '") + target +
+                  "' for platform '" + platform + "'";
+        }
+        return false;
+      }
+    }
+    kernels.push_back(XlaExtKernel{target, platform, handler, traits});
+    return true;
+  }
+
+  const XlaExtKernelTable* Table() {
+    table.abi = XLA_EXT_KERNEL_TABLE_ABI;
+    table.ffi_api_major = XLA_FFI_API_MAJOR;
+    table.ffi_api_minor = XLA_FFI_API_MINOR;
+    table.num_kernels = static_cast<uint32_t>(kernels.size());
+    table.kernels = kernels.data();
+    table.error = error.empty() ? nullptr : error.c_str();
+    return &table;
+  }
+};
+
+}  // namespace xla_ext::registry
+
+// Weak, so that every translation unit including this header may define it and the linker
+// keeps one per shared object.
+extern "C" __attribute__((weak, visibility("default"))) const XlaExtKernelTable*
+xla_ext_kernel_table(void) {
+  return ::xla_ext::registry::Registry::Get().Table();
+}
+
+#define XLA_EXT_REGISTER_KERNEL(TARGET, PLATFORM, HANDLER, TRAITS) \
+  XLA_EXT_REGISTER_KERNEL_(TARGET, PLATFORM, HANDLER, TRAITS, __COUNTER__)
+#define XLA_EXT_REGISTER_KERNEL_(TARGET, PLATFORM, HANDLER, TRAITS, N) \
+  XLA_EXT_REGISTER_KERNEL__(TARGET, PLATFORM, HANDLER, TRAITS, N)
+#ifdef XLA_EXT_REGISTER_WITH_XLA_FFI_API
+// Linked into torch_xla's _XLAC by patches/ (XLA in-process): also register directly with
+// XLA's own FFI registry, as XLA_FFI_REGISTER_HANDLER does.
+#include "xla/ffi/api/api.h"
+#define XLA_EXT_REGISTER_KERNEL__(TARGET, PLATFORM, HANDLER, TRAITS, N)          \
+  XLA_EXT_ADD_TO_TABLE_(TARGET, PLATFORM, HANDLER, TRAITS, N);                  \
+  XLA_FFI_REGISTER_HANDLER(XLA_FFI_GetApi(), TARGET, PLATFORM, HANDLER,         \
+                           static_cast<XLA_FFI_Handler_Traits>(TRAITS))
+#else
+#define XLA_EXT_REGISTER_KERNEL__(TARGET, PLATFORM, HANDLER, TRAITS, N) \
+  XLA_EXT_ADD_TO_TABLE_(TARGET, PLATFORM, HANDLER, TRAITS, N)
+#endif
+#define XLA_EXT_ADD_TO_TABLE_(TARGET, PLATFORM, HANDLER, TRAITS, N)              \
+  __attribute__((unused)) static const bool xla_ext_kernel_registered_##N##_ = \
+      ::xla_ext::registry::Registry::Get().Add(TARGET, PLATFORM, HANDLER, TRAITS)
+
+#endif  // defined(__cplusplus) && !defined(XLA_EXT_TABLE_TYPES_ONLY)
+
+#endif  // XLA_EXT_REGISTRY_H_

@@ -1,0 +1,41 @@
+// XlaGpuSimpleAdd: out = a + b, elementwise, any shape (empty included), f32, f16 or bf16.
+// The target keeps the user's original name verbatim.
+#ifndef XLA_EXT_KERNELS_SIMPLE_ADD_SIMPLE_ADD_H_
+#define XLA_EXT_KERNELS_SIMPLE_ADD_SIMPLE_ADD_H_
+
+#include <utility>
+
+#include "kernels/common/errors.h"
+
+namespace xla_ext::simple_add {
+
+inline constexpr char kTarget[] = "XlaGpuSimpleAdd";
+
+inline ffi::Error Check(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                        const ffi::AnyBuffer& out) {
+  XLA_EXT_RETURN_IF_ERROR(CheckFloatType(kTarget, "a", a));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "b", b, a.element_type()));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "out", out, a.element_type()));
+  const auto a_dims = a.dimensions();
+  const std::string a_shape = "shape " + ShapeString(a_dims) + " (the shape of 'a')";
+  if (ShapeString(b.dimensions()) != ShapeString(a_dims)) {
+    return ArgumentError(kTarget, "b", a_shape, "shape " + ShapeString(b.dimensions()));
+  }
+  if (ShapeString(out.dimensions()) != ShapeString(a_dims)) {
+    return ArgumentError(kTarget, "out", a_shape, "shape " + ShapeString(out.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// Both platforms bind the same signature: two inputs, one result.
+template <typename Binding>
+auto Bind(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+}  // namespace xla_ext::simple_add
+
+#endif  // XLA_EXT_KERNELS_SIMPLE_ADD_SIMPLE_ADD_H_

@@ -1,0 +1,48 @@
+"""torch_xla_ext: custom GPU kernels as opaque XLA custom calls in PyTorch/XLA, JAX and torchax.
+
+Importing the package is the whole setup: the built-in kernels (and any later
+`load_kernels(path)`) are registered into torch_xla's XLA, and into JAX's when JAX is used,
+and `torch_xla._XLAC._xla_gpu_custom_call(..., target=...)` is available again.
+"""
+
+import os
+
+from torch_xla_ext import _kernels, binders
+from torch_xla_ext.custom_call import custom_call, gpu_custom_call, mlir_dictionary
+from torch_xla_ext.errors import TorchXlaExtError
+
+__version__ = "0.1.0"
+__all__ = ["TorchXlaExtError", "custom_call", "get_include", "gpu_custom_call", "load_kernels",
+           "mlir_dictionary"]
+
+
+def get_include():
+    """Include directories for building a kernel library: xla_ext/registry.h and the XLA FFI
+    headers of the pinned jaxlib (xla/ffi/api/ffi.h)."""
+    import jaxlib
+
+    return [os.path.join(os.path.dirname(__file__), "include"),
+            os.path.join(os.path.dirname(jaxlib.__file__), "include")]
+
+
+def load_kernels(path):
+    """Loads a kernel library built with xla_ext/registry.h and registers its handlers into
+    every XLA runtime of this process, now and as runtimes appear. Returns the library."""
+    return binders.add_library(_kernels.KernelLibrary(path))
+
+
+def _bind_on_import():
+    import importlib.util
+
+    binders.add_library(_kernels.builtin_library())
+    # Where torch_xla is not installed (JAX-only machines) there is nothing to bind it to;
+    # where it is, a failure to bind is an error.
+    if importlib.util.find_spec("torch_xla") is not None:
+        from torch_xla_ext.binders.torch_xla import TorchXlaRuntime
+        from torch_xla_ext.custom_call import install_gpu_custom_call
+
+        binders.add_runtime(TorchXlaRuntime())
+        install_gpu_custom_call()
+
+
+_bind_on_import()

@@ -1,0 +1,115 @@
+"""Loads a kernel library and reads its static handler table (kernels/registry/registry.h)."""
+
+import ctypes
+import dataclasses
+import os
+import threading
+
+from torch_xla_ext.errors import TorchXlaExtError
+
+LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
+BUILTIN_LIBRARY = os.path.join(LIB_DIR, "libxla_ext_kernels.so")
+TABLE_ABI = 1
+
+
+class _Kernel(ctypes.Structure):
+    _fields_ = [
+        ("target", ctypes.c_char_p),
+        ("platform", ctypes.c_char_p),
+        ("handler", ctypes.c_void_p),
+        ("traits", ctypes.c_uint32),
+    ]
+
+
+class _Table(ctypes.Structure):
+    _fields_ = [
+        ("abi", ctypes.c_uint32),
+        ("ffi_api_major", ctypes.c_int32),
+        ("ffi_api_minor", ctypes.c_int32),
+        ("num_kernels", ctypes.c_uint32),
+        ("kernels", ctypes.POINTER(_Kernel)),
+        ("error", ctypes.c_char_p),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    target: str
+    platform: str  # "Host" or "CUDA"
+    handler: int  # address of the XLA_FFI_Handler
+    traits: int
+
+
+class KernelLibrary:
+    """A shared object with an `xla_ext_kernel_table` symbol, and the table it returns."""
+
+    def __init__(self, path):
+        self.path = os.path.abspath(path)
+        if not os.path.exists(self.path):
+            raise TorchXlaExtError(f"kernel library {self.path} does not exist")
+        try:
+            self._dll = ctypes.CDLL(self.path)
+        except OSError as e:
+            raise TorchXlaExtError(f"cannot load kernel library {self.path}: {e}") from e
+        try:
+            table_fn = self._dll.xla_ext_kernel_table
+        except AttributeError:
+            raise TorchXlaExtError(
+                f"{self.path} exports no xla_ext_kernel_table: register its handlers with "
+                "XLA_EXT_REGISTER_KERNEL from xla_ext/registry.h (torch_xla_ext.get_include())"
+            ) from None
+        table_fn.restype = ctypes.POINTER(_Table)
+        self.table_address = ctypes.cast(table_fn(), ctypes.c_void_p).value
+        table = table_fn().contents
+        if table.abi != TABLE_ABI:
+            raise TorchXlaExtError(
+                f"{self.path}: kernel table ABI {table.abi}, this torch_xla_ext reads ABI "
+                f"{TABLE_ABI}; rebuild it against this version's xla_ext/registry.h"
+            )
+        if table.error:
+            raise TorchXlaExtError(f"{self.path}: {table.error.decode()}")
+        self.ffi_version = (table.ffi_api_major, table.ffi_api_minor)
+        self.kernels = tuple(
+            Kernel(k.target.decode(), k.platform.decode(), k.handler, k.traits)
+            for k in table.kernels[: table.num_kernels]
+        )
+
+    def targets(self):
+        return sorted({k.target for k in self.kernels})
+
+    def __repr__(self):
+        return f"KernelLibrary({self.path!r}, {len(self.kernels)} kernels)"
+
+
+_builtin = None
+_builtin_lock = threading.Lock()
+
+
+def builtin_library():
+    """torch_xla_ext's own kernels, loaded once."""
+    global _builtin
+    with _builtin_lock:
+        if _builtin is None:
+            _builtin = KernelLibrary(BUILTIN_LIBRARY)
+        return _builtin
+
+
+def binder_dll():
+    """The C helpers (torch_xla_ext/csrc/binder.cc) that register a table into a runtime."""
+    dll = ctypes.CDLL(os.path.join(LIB_DIR, "libxla_ext_binder.so"))
+    for name in ("xla_ext_bind_ffi_api", "xla_ext_bind_pjrt_plugin"):
+        fn = getattr(dll, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                       ctypes.c_size_t]
+    return dll
+
+
+def call_binder(fn, runtime_api, library, platform):
+    """Runs one of the binder's C functions; returns the number of kernels registered."""
+    err = ctypes.create_string_buffer(2048)
+    count = fn(runtime_api, library.table_address,
+               platform.encode() if platform else None, err, len(err))
+    if count < 0:
+        raise TorchXlaExtError(f"{library.path}: {err.value.decode()}")
+    return count

@@ -1,0 +1,118 @@
+"""Binds kernel tables into the XLA statically linked inside torch_xla's `_XLAC`.
+
+No runtime exports its XLA_FFI_Api*, but `_XLAC` keeps its full symbol table: the local
+function `xla::ffi::GetXlaFfiApi()` is found there, rebased on the exported `PyInit__XLAC`,
+and called to get the API through which handlers are registered.
+"""
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+from elftools.elf.elffile import ELFFile
+
+from torch_xla_ext import _kernels
+from torch_xla_ext.errors import TorchXlaExtError
+
+GET_API_SYMBOL = "_ZN3xla3ffi12GetXlaFfiApiEv"  # xla::ffi::GetXlaFfiApi()
+ANCHOR_SYMBOL = "PyInit__XLAC"
+# torch_xla 2.9's XLA: FFI API 0.1, whose XLA_FFI_Api struct is 192 bytes.
+SUPPORTED = "torch_xla 2.9.0 from PyPI (XLA FFI API 0.1)"
+
+_ELF_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                     ("value", "<u8"), ("size", "<u8")])
+_STT_FUNC = 2
+
+
+def _symbol_values(path, names):
+    """st_value of each name in the ELF file's .symtab, or None where absent.
+
+    pyelftools reads the headers; the table itself (half a million entries in _XLAC) is
+    scanned with numpy, since building pyelftools' name index takes over ten seconds.
+    """
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        symtab = elf.get_section_by_name(".symtab")
+        if symtab is None:
+            return {name: None for name in names}
+        strtab = elf.get_section(symtab["sh_link"])
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            syms = np.frombuffer(data, dtype=_ELF_SYM, count=symtab["sh_size"] // _ELF_SYM.itemsize,
+                                 offset=symtab["sh_offset"])
+            start, end = strtab["sh_offset"], strtab["sh_offset"] + strtab["sh_size"]
+            found = {}
+            for name in names:
+                found[name] = None
+                at = data.find(b"\0" + name.encode() + b"\0", start, end)
+                if at < 0:
+                    continue
+                hits = np.nonzero((syms["name"] == at + 1 - start) &
+                                  ((syms["info"] & 0xF) == _STT_FUNC))[0]
+                if hits.size:
+                    found[name] = int(syms["value"][hits[0]])
+            del syms
+            return found
+        finally:
+            data.close()
+
+
+def _read_version(api):
+    # XLA_FFI_Api: size_t struct_size; void* extension_start;
+    #              XLA_FFI_Api_Version {size_t; void*; int major; int minor}; ...
+    struct_size = ctypes.c_size_t.from_address(api).value
+    major = ctypes.c_int32.from_address(api + 32).value
+    minor = ctypes.c_int32.from_address(api + 36).value
+    return struct_size, (major, minor)
+
+
+class TorchXlaRuntime:
+    """torch_xla's in-process XLA. Its only platform is the CPU ("Host")."""
+
+    name = "torch_xla"
+    platform = "Host"
+
+    def __init__(self):
+        import torch_xla
+        from torch_xla import _XLAC
+
+        self.torch_xla_version = getattr(torch_xla, "__version__", "unknown")
+        self.path = _XLAC.__file__
+        values = _symbol_values(self.path, [GET_API_SYMBOL, ANCHOR_SYMBOL])
+        if values[GET_API_SYMBOL] is None or values[ANCHOR_SYMBOL] is None:
+            missing = GET_API_SYMBOL if values[GET_API_SYMBOL] is None else ANCHOR_SYMBOL
+            raise TorchXlaExtError(
+                f"torch_xla {self.torch_xla_version}: {missing} is not in the symbol table of "
+                f"{self.path}, so its XLA cannot be given our handlers. Supported: {SUPPORTED}. "
+                "Install torch_xla==2.9.0 from PyPI, or build torch_xla with patches/ "
+                "(which links the kernels into _XLAC)."
+            )
+        loaded = ctypes.CDLL(self.path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        base = ctypes.cast(loaded.PyInit__XLAC, ctypes.c_void_p).value - values[ANCHOR_SYMBOL]
+        get_api = ctypes.CFUNCTYPE(ctypes.c_void_p)(base + values[GET_API_SYMBOL])
+        self.api = get_api()
+        if not self.api:
+            raise TorchXlaExtError(f"torch_xla {self.torch_xla_version}: GetXlaFfiApi() returned null")
+        self.struct_size, self.ffi_version = _read_version(self.api)
+        if self.ffi_version != (0, 1) or self.struct_size != 192:
+            raise TorchXlaExtError(
+                f"torch_xla {self.torch_xla_version} speaks XLA FFI API "
+                f"{self.ffi_version[0]}.{self.ffi_version[1]} (XLA_FFI_Api of {self.struct_size} "
+                f"bytes); supported: {SUPPORTED}. Install torch_xla==2.9.0, or rebuild the "
+                "kernels against the FFI headers of this torch_xla's XLA."
+            )
+        self._binder = _kernels.binder_dll()
+
+    def bind(self, library):
+        _kernels.call_binder(self._binder.xla_ext_bind_ffi_api, self.api, library, self.platform)
+        return [(k.target, k.platform) for k in library.kernels if k.platform == self.platform]
+
+    def describe(self):
+        return {
+            "name": self.name,
+            "kind": "in-process XLA (torch_xla._XLAC)",
+            "version": self.torch_xla_version,
+            "ffi_api": "%d.%d" % self.ffi_version,
+            "platforms": [self.platform],
+        }

@@ -1,0 +1,161 @@
+// Registers a kernel library's static table into an XLA runtime: one reached through its
+// XLA_FFI_Api (torch_xla's in-process XLA) or one behind a PJRT plugin's FFI extension.
+//
+// Every check runs before the first registration, so a refused table registers nothing.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "torch_xla_ext/csrc/pjrt_ffi_extension.h"
+#include "xla/ffi/api/c_api.h"
+
+#define XLA_EXT_TABLE_TYPES_ONLY
+#include "xla_ext/registry.h"
+
+namespace {
+
+int Fail(char* err, size_t err_size, const std::string& message) {
+  if (err_size > 0) std::snprintf(err, err_size, "%s", message.c_str());
+  return -1;
+}
+
+std::string Version(int major, int minor) {
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+
+bool Selected(const XlaExtKernel& kernel, const char* platform) {
+  return platform == nullptr || std::strcmp(kernel.platform, platform) == 0;
+}
+
+// Checks shared by every runtime: the table itself, and its handlers' FFI version against
+// the runtime's (same major, minor no newer than the runtime's).
+int CheckTable(const XlaExtKernelTable* table, int runtime_major, int runtime_minor, char* err,
+               size_t err_size) {
+  if (table == nullptr) return Fail(err, err_size, "the kernel table is null");
+  if (table->abi != XLA_EXT_KERNEL_TABLE_ABI) {
+    return Fail(err, err_size,
+                "kernel table ABI " + std::to_string(table->abi) + " is not supported (expected " +
+                    std::to_string(XLA_EXT_KERNEL_TABLE_ABI) +
+                    "); rebuild the library against this torch_xla_ext's xla_ext/registry.h");
+  }
+  if (table->error != nullptr) {
+    return Fail(err, err_size, std::string("the kernel library refused a registration: ") +
+                                   table->error);
+  }
+  if (table->ffi_api_major != runtime_major || table->ffi_api_minor > runtime_minor) {
+    return Fail(err, err_size,
+                "the handlers were built against XLA FFI API " +
+                    Version(table->ffi_api_major, table->ffi_api_minor) +
+                    " but this runtime speaks " + Version(runtime_major, runtime_minor) +
+                    "; build them against the FFI headers of jaxlib==0.7.1 (FFI 0.1)");
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns the number of kernels registered, or -1 with a message in `err`.
+// `platform` ("Host", "CUDA") selects kernels; null registers every one.
+__attribute__((visibility("default"))) int xla_ext_bind_ffi_api(
+    const XLA_FFI_Api* api, const XlaExtKernelTable* table, const char* platform, char* err,
+    size_t err_size) {
+  if (api == nullptr) return Fail(err, err_size, "the XLA_FFI_Api pointer is null");
+  if (api->struct_size < XLA_FFI_Api_STRUCT_SIZE) {
+    return Fail(err, err_size,
+                "the runtime's XLA_FFI_Api is " + std::to_string(api->struct_size) +
+                    " bytes, smaller than the " + std::to_string(XLA_FFI_Api_STRUCT_SIZE) +
+                    " bytes of FFI API " + Version(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR));
+  }
+  if (CheckTable(table, api->api_version.major_version, api->api_version.minor_version, err,
+                 err_size) != 0) {
+    return -1;
+  }
+  int registered = 0;
+  for (uint32_t i = 0; i < table->num_kernels; ++i) {
+    const XlaExtKernel& kernel = table->kernels[i];
+    if (!Selected(kernel, platform)) continue;
+    XLA_FFI_Handler_Register_Args args;
+    args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;
+    args.extension_start = nullptr;
+    args.name = XLA_FFI_ByteSpan{kernel.target, std::strlen(kernel.target)};
+    args.platform = XLA_FFI_ByteSpan{kernel.platform, std::strlen(kernel.platform)};
+    args.bundle = XLA_FFI_Handler_Bundle{nullptr, nullptr, nullptr, kernel.handler};
+    args.traits = kernel.traits;
+    if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args)) {
+      XLA_FFI_Error_GetMessage_Args message;
+      message.struct_size = XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE;
+      message.extension_start = nullptr;
+      message.error = error;
+      api->XLA_FFI_Error_GetMessage(&message);
+      std::string text = message.message;
+      XLA_FFI_Error_Destroy_Args destroy;
+      destroy.struct_size = XLA_FFI_Error_Destroy_Args_STRUCT_SIZE;
+      destroy.extension_start = nullptr;
+      destroy.error = error;
+      api->XLA_FFI_Error_Destroy(&destroy);
+      return Fail(err, err_size,
+                  std::string("registering ") + kernel.target + " for " + kernel.platform +
+                      " failed after " + std::to_string(registered) + " others: " + text);
+    }
+    ++registered;
+  }
+  return registered;
+}
+
+// Same, through a PJRT plugin's FFI extension (`pjrt_api` is what its GetPjrtApi returned).
+// The plugin's XLA accepts FFI 0.1 handlers from PJRT 0.75 on.
+__attribute__((visibility("default"))) int xla_ext_bind_pjrt_plugin(
+    const void* pjrt_api, const XlaExtKernelTable* table, const char* platform, char* err,
+    size_t err_size) {
+  const auto* api = static_cast<const PjrtApiPrefix*>(pjrt_api);
+  if (api == nullptr) return Fail(err, err_size, "the PJRT_Api pointer is null");
+  const int major = api->pjrt_api_version.major_version;
+  const int minor = api->pjrt_api_version.minor_version;
+  if (major != 0 || minor < 75) {
+    return Fail(err, err_size, "PJRT C API " + Version(major, minor) +
+                                   " is not supported; supported are 0.75 and newer 0.x");
+  }
+  const PjrtFfiExtension* ffi = nullptr;
+  for (const PjrtExtensionBase* ext = api->extension_start; ext != nullptr; ext = ext->next) {
+    if (ext->type == kPjrtExtensionTypeFfi) {
+      ffi = reinterpret_cast<const PjrtFfiExtension*>(ext);
+      break;
+    }
+  }
+  if (ffi == nullptr || ffi->base.struct_size < sizeof(PjrtFfiExtension) ||
+      ffi->register_handler == nullptr) {
+    return Fail(err, err_size, "the PJRT plugin (API " + Version(major, minor) +
+                                   ") has no FFI extension with register_handler");
+  }
+  if (CheckTable(table, XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR, err, err_size) != 0) return -1;
+  int registered = 0;
+  for (uint32_t i = 0; i < table->num_kernels; ++i) {
+    const XlaExtKernel& kernel = table->kernels[i];
+    if (!Selected(kernel, platform)) continue;
+    PjrtFfiRegisterHandlerArgs args;
+    args.struct_size = sizeof(args);
+    args.target_name = kernel.target;
+    args.target_name_size = std::strlen(kernel.target);
+    args.handler = reinterpret_cast<void*>(kernel.handler);
+    args.platform_name = kernel.platform;
+    args.platform_name_size = std::strlen(kernel.platform);
+    args.traits = kernel.traits;
+    if (PjrtError* error = ffi->register_handler(&args)) {
+      PjrtErrorMessageArgs message{sizeof(PjrtErrorMessageArgs), nullptr, error, nullptr, 0};
+      api->error_message(&message);
+      std::string text(message.message, message.message_size);
+      PjrtErrorDestroyArgs destroy{sizeof(PjrtErrorDestroyArgs), nullptr, error};
+      api->error_destroy(&destroy);
+      return Fail(err, err_size,
+                  std::string("registering ") + kernel.target + " for " + kernel.platform +
+                      " in the PJRT plugin failed after " + std::to_string(registered) +
+                      " others: " + text);
+    }
+    ++registered;
+  }
+  return registered;
+}
+
+}  // extern "C"

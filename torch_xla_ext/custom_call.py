@@ -1,0 +1,269 @@
+"""Typed-FFI custom calls on torch_xla lazy tensors.
+
+torch_xla's own `_xla_custom_call` builds an IR node whose hash covers only the target name,
+so calls that differ in attributes, output shapes, dtypes or api_version silently reuse the
+first compiled executable, and it never emits output/operand aliasing. Here each call is a
+one-instruction HLO module run through `_xla_user_computation`, whose node hash covers the
+whole module (target, attributes, shapes, dtypes, aliasing, api_version): the stale
+executable cannot happen, and in-place kernels alias their outputs to their inputs.
+"""
+
+import collections
+import math
+import numbers
+import threading
+
+import numpy as np
+import torch
+
+from torch_xla_ext.errors import TorchXlaExtError
+
+API_VERSION_STATUS_RETURNING = 2
+API_VERSION_TYPED_FFI = 4
+# xla::CustomCallApiVersion, as torch_xla's `_xla_custom_call` numbers it.
+API_VERSIONS = (1, 2, 3, 4)
+# torch_xla 2.8's `_xla_gpu_custom_call` always called this target, with the legacy ABI.
+LEGACY_GPU_TARGET = "triton_kernel_call"
+
+_TENSOR_ELEMENT_TYPES = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+    torch.uint8: "ui8", torch.bool: "i1",
+}
+_MLIR_NUMPY_TYPES = {
+    np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",
+    np.dtype(np.int8): "i8", np.dtype(np.int16): "i16", np.dtype(np.int32): "i32",
+    np.dtype(np.int64): "i64", np.dtype(np.uint8): "ui8", np.dtype(np.uint16): "ui16",
+    np.dtype(np.uint32): "ui32", np.dtype(np.uint64): "ui64", np.dtype(np.bool_): "i1",
+}
+
+
+def _mlir_string(text):
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def _mlir_float(value, mlir_type):
+    if math.isfinite(value):
+        text = repr(float(np.float32(value))) if mlir_type == "f32" else repr(float(value))
+        return f"{text} : {mlir_type}"
+    # MLIR spells non-finite floats by their bits.
+    np_type = {"f16": np.float16, "f32": np.float32, "f64": np.float64}[mlir_type]
+    bits = np.array(value, dtype=np_type).view(f"u{np.dtype(np_type).itemsize}").item()
+    return f"0x{bits:X} : {mlir_type}"
+
+
+def _mlir_attribute(name, value):
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    if isinstance(value, np.generic):
+        mlir_type = _MLIR_NUMPY_TYPES.get(value.dtype)
+        if mlir_type is None:
+            raise TorchXlaExtError(f"attrs[{name!r}]: numpy type {value.dtype} has no XLA FFI "
+                                   "attribute type")
+        if mlir_type.startswith("f"):
+            return _mlir_float(value.item(), mlir_type)
+        return f"{value.item()} : {mlir_type}"
+    if isinstance(value, numbers.Integral):
+        return f"{int(value)} : i64"
+    if isinstance(value, numbers.Real):
+        return _mlir_float(float(value), "f32")
+    if isinstance(value, str):
+        return _mlir_string(value)
+    if isinstance(value, dict):
+        return mlir_dictionary(value, prefix=f"{name}.")
+    if isinstance(value, (np.ndarray, list, tuple)):
+        array = np.asarray(value)
+        if array.dtype == np.float64 and not isinstance(value, np.ndarray):
+            array = array.astype(np.float32)  # Python floats are f32, as scalars are
+        if array.dtype == np.int64 and not isinstance(value, np.ndarray):
+            array = array.astype(np.int64)
+        if array.ndim != 1:
+            raise TorchXlaExtError(f"attrs[{name!r}]: expected a 1-D array, got shape "
+                                   f"{list(array.shape)}")
+        mlir_type = _MLIR_NUMPY_TYPES.get(array.dtype)
+        if mlir_type is None or mlir_type == "i1":
+            raise TorchXlaExtError(f"attrs[{name!r}]: arrays of {array.dtype} have no XLA FFI "
+                                   "attribute type")
+        if array.size == 0:
+            return f"array<{mlir_type}>"
+        if mlir_type.startswith("f"):
+            items = ", ".join(_mlir_float(v, mlir_type).split(" : ")[0] for v in array.tolist())
+        else:
+            items = ", ".join(str(v) for v in array.tolist())
+        return f"array<{mlir_type}: {items}>"
+    raise TorchXlaExtError(
+        f"attrs[{name!r}]: expected int, float, bool, str, a numpy scalar, a 1-D array or a "
+        f"dict, got {type(value).__name__}")
+
+
+def mlir_dictionary(attrs, prefix=""):
+    """Typed attributes as the MLIR dictionary text XLA's typed FFI reads from backend_config.
+
+    Python int -> i64, float -> f32, bool -> i1, str -> string, numpy scalars keep their exact
+    type (np.float64 -> f64, np.int32 -> i32, ...), 1-D arrays -> dense arrays, dicts nest.
+    """
+    items = []
+    for name in sorted(attrs):
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TorchXlaExtError(f"attrs: attribute names must be identifiers, got {name!r}")
+        items.append(f"{name} = {_mlir_attribute(prefix + name, attrs[name])}")
+    return "{" + ", ".join(items) + "}"
+
+
+def _tensor_type(shape, dtype, what):
+    element = _TENSOR_ELEMENT_TYPES.get(dtype)
+    if element is None:
+        raise TorchXlaExtError(f"{what}: dtype {dtype} is not supported; expected one of "
+                               f"{', '.join(str(d) for d in _TENSOR_ELEMENT_TYPES)}")
+    dims = [int(d) for d in shape]
+    if any(d < 0 for d in dims):
+        raise TorchXlaExtError(f"{what}: expected non-negative dimensions, got {dims}")
+    return "tensor<" + "".join(f"{d}x" for d in dims) + element + ">"
+
+
+_Spec = collections.namedtuple(
+    "_Spec", "target inputs outputs backend_config api_version has_side_effect aliases "
+             "frontend_attributes")
+
+
+def _stablehlo_text(spec):
+    """The call as a StableHLO module: `stablehlo.custom_call`, as jax.ffi.ffi_call emits it."""
+    args = ", ".join(f"%arg{i}: {t}" for i, t in enumerate(spec.inputs))
+    operands = ", ".join(f"%arg{i}" for i in range(len(spec.inputs)))
+    single = len(spec.outputs) == 1
+    results = spec.outputs[0] if single else "(" + ", ".join(spec.outputs) + ")"
+    config = (spec.backend_config or "{}") if spec.api_version == API_VERSION_TYPED_FFI \
+        else _mlir_string(spec.backend_config)
+    options = [
+        f"api_version = {spec.api_version} : i32",
+        f"backend_config = {config}",
+        f"has_side_effect = {'true' if spec.has_side_effect else 'false'}",
+    ]
+    if spec.aliases:
+        aliases = ", ".join(
+            "#stablehlo.output_operand_alias<output_tuple_indices = "
+            f"[{'' if single else out}], operand_index = {operand}, operand_tuple_indices = []>"
+            for out, operand in spec.aliases)
+        options.append(f"output_operand_aliases = [{aliases}]")
+    if spec.frontend_attributes:
+        pairs = ", ".join(f"{k} = {_mlir_string(v)}" for k, v in spec.frontend_attributes)
+        options.append(f"mhlo.frontend_attributes = {{{pairs}}}")
+    values = "%0" if single else ", ".join(f"%0#{i}" for i in range(len(spec.outputs)))
+    result_name = "%0" if single else f"%0:{len(spec.outputs)}"
+    return "\n".join([
+        "module @xla_ext_custom_call {",
+        f"  func.func public @main({args}) -> {results} {{",
+        f"    {result_name} = stablehlo.custom_call @{spec.target}({operands}) "
+        f"{{{', '.join(options)}}} : ({', '.join(spec.inputs)}) -> {results}",
+        f"    return {values} : {', '.join(spec.outputs)}",
+        "  }",
+        "}",
+    ])
+
+
+_computations = {}
+_computations_lock = threading.Lock()
+
+
+def _computation(spec):
+    with _computations_lock:
+        computation = _computations.get(spec)
+        if computation is None:
+            import torch_xla
+            from jax._src.lib import xla_client  # the pinned jaxlib lowers StableHLO to HLO
+
+            try:
+                hlo = xla_client._xla.mlir.mlir_module_to_xla_computation(
+                    _stablehlo_text(spec), use_tuple_args=False, return_tuple=False)
+            except Exception as e:  # the MLIR parser's message names the bad attribute
+                raise TorchXlaExtError(f"custom call {spec.target}: {e}") from e
+            computation = torch_xla._XLAC._xla_op_computation_from_module_proto(
+                f"xla_ext.{spec.target}", hlo.as_serialized_hlo_module_proto())
+            _computations[spec] = computation
+        return computation
+
+
+def _check_inputs(inputs):
+    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, (list, tuple)):
+        raise TorchXlaExtError(f"inputs: expected a list of XLA tensors, got {type(inputs).__name__}")
+    if not inputs:
+        raise TorchXlaExtError("inputs: expected at least one XLA tensor, got an empty list")
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise TorchXlaExtError(f"inputs[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "xla":
+            raise TorchXlaExtError(f"inputs[{i}]: expected a tensor on an XLA device, got one on "
+                                   f"{t.device}; move it with .to(torch_xla.device())")
+
+
+def custom_call(inputs, target, output_shapes, output_dtypes, attrs=None, has_side_effect=False,
+                aliases=None, api_version=API_VERSION_TYPED_FFI, backend_config=None,
+                frontend_attributes=None):
+    """Calls the XLA custom-call `target` on XLA tensors and returns its outputs (a list).
+
+    attrs: typed FFI attributes (see `mlir_dictionary`); or, for the legacy ABIs, a raw
+    `backend_config` string (the "opaque" payload). aliases: {output_index: input_index} for
+    outputs written in place into an input's buffer (XLA copies the input first only where
+    the input is still needed elsewhere).
+    """
+    _check_inputs(inputs)
+    if not isinstance(target, str) or not target:
+        raise TorchXlaExtError(f"target: expected a non-empty string, got {target!r}")
+    if api_version not in API_VERSIONS:
+        raise TorchXlaExtError(f"api_version: expected one of {list(API_VERSIONS)}, got "
+                               f"{api_version!r}")
+    if len(output_shapes) != len(output_dtypes) or not output_shapes:
+        raise TorchXlaExtError(
+            f"output_shapes, output_dtypes: expected two non-empty lists of equal length, got "
+            f"{len(output_shapes)} shapes and {len(output_dtypes)} dtypes")
+    if attrs and backend_config is not None:
+        raise TorchXlaExtError("attrs, backend_config: give one of them, not both")
+    if attrs and api_version != API_VERSION_TYPED_FFI:
+        raise TorchXlaExtError(f"attrs: typed attributes need api_version=4 (typed FFI), got "
+                               f"api_version={api_version}")
+    config = mlir_dictionary(attrs) if attrs else (backend_config or "")
+    outputs = tuple(_tensor_type(s, d, f"output_shapes[{i}]/output_dtypes[{i}]")
+                    for i, (s, d) in enumerate(zip(output_shapes, output_dtypes)))
+    input_shapes = tuple(_tensor_type(t.shape, t.dtype, f"inputs[{i}]")
+                         for i, t in enumerate(inputs))
+    alias_pairs = tuple(sorted((aliases or {}).items()))
+    for out, operand in alias_pairs:
+        if not 0 <= out < len(outputs) or not 0 <= operand < len(inputs):
+            raise TorchXlaExtError(f"aliases: {{{out}: {operand}}} is out of range for "
+                                   f"{len(outputs)} outputs and {len(inputs)} inputs")
+        if outputs[out] != input_shapes[operand]:
+            raise TorchXlaExtError(f"aliases: output {out} ({outputs[out]}) and input {operand} "
+                                   f"({input_shapes[operand]}) must have the same shape and dtype")
+    spec = _Spec(target, input_shapes, outputs, config, api_version, bool(has_side_effect),
+                 alias_pairs, tuple(sorted((frontend_attributes or {}).items())))
+    import torch_xla
+
+    return torch_xla._XLAC._xla_user_computation("xla::xla_ext_custom_call", list(inputs),
+                                                 _computation(spec))
+
+
+def gpu_custom_call(inputs, payload, output_shapes, output_dtypes, target=LEGACY_GPU_TARGET,
+                    api_version=None):
+    """torch_xla 2.8's `_xla_gpu_custom_call`, restored, with the target it lacked.
+
+    The default target and ABI stay 2.8's ("triton_kernel_call", status-returning, payload as
+    opaque). A target registered by torch_xla_ext defaults to the typed FFI, with `payload`
+    as its MLIR attribute dictionary ("" for none).
+    """
+    from torch_xla_ext import binders
+
+    if api_version is None:
+        api_version = (API_VERSION_TYPED_FFI if target in binders.registered_targets("torch_xla")
+                       else API_VERSION_STATUS_RETURNING)
+    if not isinstance(payload, str):
+        raise TorchXlaExtError(f"payload: expected a str, got {type(payload).__name__}")
+    return custom_call(inputs, target, output_shapes, output_dtypes, backend_config=payload,
+                       api_version=api_version)
+
+
+def install_gpu_custom_call():
+    """Puts `gpu_custom_call` back where torch_xla 2.8 users call it."""
+    from torch_xla import _XLAC
+
+    _XLAC._xla_gpu_custom_call = gpu_custom_call
