@@ -46,3 +46,5 @@ def _bind_on_import():
 
 
 _bind_on_import()
+
+from torch_xla_ext import ops  # noqa: E402,F401  (registers torch.ops.xla_ext.*)

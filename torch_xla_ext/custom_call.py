@@ -44,11 +44,12 @@ def _mlir_string(text):
 
 
 def _mlir_float(value, mlir_type):
+    np_type = {"f16": np.float16, "f32": np.float32, "f64": np.float64}[mlir_type]
     if math.isfinite(value):
-        text = repr(float(np.float32(value))) if mlir_type == "f32" else repr(float(value))
+        # The shortest decimal that reads back as the same value of that width.
+        text = np.format_float_positional(np_type(value), unique=True, trim="0")
         return f"{text} : {mlir_type}"
     # MLIR spells non-finite floats by their bits.
-    np_type = {"f16": np.float16, "f32": np.float32, "f64": np.float64}[mlir_type]
     bits = np.array(value, dtype=np_type).view(f"u{np.dtype(np_type).itemsize}").item()
     return f"0x{bits:X} : {mlir_type}"
 

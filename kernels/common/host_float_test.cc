@@ -33,12 +33,14 @@ uint16_t ReferenceBf16(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
   const uint32_t truncated = bits & 0xffff0000u;
-  float low, high;
+  float low, high_f;
   std::memcpy(&low, &truncated, 4);
   const uint32_t next = truncated + 0x10000u;
-  std::memcpy(&high, &next, 4);
+  std::memcpy(&high_f, &next, 4);
+  // Past the largest finite bf16 the next value is infinity; measure against 2^128 instead.
+  const double high = std::isinf(high_f) ? std::copysign(std::ldexp(1.0, 128), x) : high_f;
   const double dl = std::fabs(static_cast<double>(x) - low);
-  const double dh = std::fabs(static_cast<double>(high) - x);
+  const double dh = std::fabs(high - x);
   if (dl < dh) return truncated >> 16;
   if (dh < dl) return next >> 16;
   return ((truncated >> 16) & 1u) ? next >> 16 : truncated >> 16;

@@ -1,0 +1,48 @@
+"""What the kernel tests share: the platform under test, conversions between torch tensors
+(where the references live) and JAX arrays, and tolerances."""
+
+import os
+
+import jax
+
+# reshape_and_cache's slot_mapping is int64, which JAX keeps only with x64 on.
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import torch_xla_ext.jax as xla_ext_jax  # noqa: E402,F401  (registers the kernels into JAX)
+
+PLATFORM = os.environ.get("XLA_EXT_TEST_PLATFORM", "cpu")
+DEVICE = jax.devices(PLATFORM)[0]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (atol, rtol) for results compared with float64 references: the outputs are rounded to the
+# dtype once, accumulation is f32.
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def to_jax(t):
+    """A torch CPU tensor as a JAX array on the device under test."""
+    if t.dtype == torch.bfloat16:
+        array = t.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        array = t.contiguous().numpy()
+    return jax.device_put(array, DEVICE)
+
+
+def to_torch(x):
+    array = np.asarray(x)
+    if array.dtype == jnp.bfloat16:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
+def assert_close(actual, expected, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(to_torch(actual).double(), expected.double(), atol=atol, rtol=rtol)

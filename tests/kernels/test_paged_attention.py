@@ -1,0 +1,209 @@
+"""xla_ext.paged_attention through JAX's XLA against the float64 reference."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from tests import reference
+from tests.kernels.common import DTYPES, PLATFORM, assert_close, to_jax, to_torch
+from torch_xla_ext import jax as xla_ext_jax
+from torch_xla_ext.errors import TorchXlaExtError
+
+
+def make_inputs(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype,
+                max_blocks_per_seq=None, seed=0):
+    """Random q/K/V; each sequence's blocks are scattered over the cache in random order, and
+    block-table entries past a sequence's length hold ids that must never be read."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    num_seqs = len(seq_lens)
+    blocks_needed = [-(-int(n) // block_size) for n in seq_lens]
+    if max_blocks_per_seq is None:
+        max_blocks_per_seq = max(blocks_needed + [1])
+    num_blocks = sum(blocks_needed) + 2  # two blocks nobody uses
+    ids = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((num_seqs, max_blocks_per_seq), num_blocks + 7, dtype=torch.int32)
+    block_tables[:, ::2] = -3
+    used = 0
+    for seq, n in enumerate(blocks_needed):
+        block_tables[seq, :n] = ids[used:used + n].int()
+        used += n
+    query = torch.randn(num_seqs, num_heads, head_size, generator=gen).to(dtype)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    return query, key_cache, value_cache, block_tables, seq_lens
+
+
+def run(inputs, scale, softcap=0.0, alibi_slopes=None, jit=True):
+    fn = functools.partial(xla_ext_jax.paged_attention, scale=scale, softcap=softcap)
+    if jit:
+        fn = jax.jit(fn)
+    alibi = None if alibi_slopes is None else to_jax(alibi_slopes)
+    return fn(*map(to_jax, inputs), alibi_slopes=alibi)
+
+
+def check(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, softcap=0.0,
+          alibi=False, **kwargs):
+    inputs = make_inputs(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype,
+                         **kwargs)
+    scale = head_size ** -0.5
+    slopes = reference.alibi_slopes(num_heads) if alibi else None
+    out = run(inputs, scale, softcap, slopes)
+    assert out.shape == inputs[0].shape and out.dtype == to_jax(inputs[0]).dtype
+    assert_close(out, reference.paged_attention_ref(*inputs, scale, softcap, slopes), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
+def test_head_sizes_and_dtypes(head_size, dtype):
+    block_size = [8, 16, 32][head_size % 3]
+    check([1, 37, 16, 100], 4, 2, head_size, block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_sizes(block_size, dtype):
+    # Lengths of one token, one block, not a multiple of the block, and the table's maximum.
+    check([1, block_size, 3 * block_size + 5, 8 * block_size], 4, 4, 64, block_size, dtype,
+          max_blocks_per_seq=8)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [
+    (8, 8), (8, 4), (8, 2), (8, 1), (16, 1), (12, 4), (32, 8)], ids=str)
+def test_gqa_ratios(num_heads, num_kv_heads):
+    check([5, 70], num_heads, num_kv_heads, 128, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_sequences_split_into_partitions(dtype):
+    # On CUDA a partition is 512 tokens: lengths below, at and past partition edges, and the
+    # block table's maximum (1312 tokens).
+    check([1312, 511, 512, 513, 1025, 3], 8, 2, 128, 16, dtype, max_blocks_per_seq=82)
+
+
+@pytest.mark.parametrize("softcap,alibi", [(30.0, False), (0.0, True), (5.0, True)],
+                         ids=["softcap", "alibi", "softcap+alibi"])
+def test_softcap_and_alibi(softcap, alibi):
+    check([1, 40, 700], 8, 2, 64, 16, torch.float32, softcap=softcap, alibi=alibi)
+
+
+def test_zero_length_sequences_give_zeros():
+    inputs = make_inputs([0, 9, 0], 4, 2, 64, 8, torch.float16)
+    out = to_torch(run(inputs, 0.125))
+    assert torch.all(out[0] == 0) and torch.all(out[2] == 0)
+    assert_close(out[1:2], reference.paged_attention_ref(*inputs, 0.125)[1:2], torch.float16)
+
+
+def test_empty_batch():
+    inputs = make_inputs([], 4, 2, 64, 8, torch.bfloat16)
+    out = run(inputs, 0.125)
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    num_kv_heads = pick([1, 2, 3, 4])
+    num_heads = num_kv_heads * pick([1, 2, 4, 5, 8])
+    block_size = pick([8, 16, 32])
+    num_seqs = int(torch.randint(1, 6, (1,), generator=gen))
+    seq_lens = torch.randint(0, 700, (num_seqs,), generator=gen).tolist()
+    check(seq_lens, num_heads, num_kv_heads, pick([64, 80, 96, 112, 128, 256]), block_size,
+          pick(DTYPES), softcap=pick([0.0, 20.0]), alibi=pick([False, True]), seed=seed)
+
+
+def _replace(inputs, index, tensor):
+    inputs = list(inputs)
+    inputs[index] = tensor
+    return inputs
+
+
+BAD_INPUTS = [
+    ("query", lambda x: _replace(x, 0, x[0].to(torch.int32))),
+    ("query", lambda x: _replace(x, 0, x[0][0])),
+    ("query", lambda x: _replace(x, 0, x[0][..., :48])),  # unsupported head_size
+    ("key_cache", lambda x: _replace(x, 1, x[1].half())),
+    ("key_cache", lambda x: _replace(x, 1, x[1][0])),
+    ("key_cache", lambda x: _replace(x, 1, x[1][:, :4])),  # unsupported block_size
+    ("key_cache", lambda x: _replace(x, 1, x[1][:, :, :, :32])),  # head_size != query's
+    ("key_cache", lambda x: _replace(x, 1, x[1].repeat(1, 1, 2, 1)[:, :, :3])),  # 4 % 3 != 0
+    ("value_cache", lambda x: _replace(x, 2, x[2][:1])),
+    ("value_cache", lambda x: _replace(x, 2, x[2].double())),
+    ("block_tables", lambda x: _replace(x, 3, x[3].long())),
+    ("block_tables", lambda x: _replace(x, 3, x[3][:1])),
+    ("seq_lens", lambda x: _replace(x, 4, x[4].long())),
+    ("seq_lens", lambda x: _replace(x, 4, x[4][:1])),
+]
+
+
+def _bad_inputs():
+    return list(make_inputs([5, 20], 4, 2, 64, 8, torch.float32))
+
+
+@pytest.mark.parametrize("arg,corrupt", BAD_INPUTS, ids=[a for a, _ in BAD_INPUTS])
+def test_rejects_bad_arguments(arg, corrupt):
+    with pytest.raises(TorchXlaExtError, match=f"argument '{arg}'"):
+        run(corrupt(_bad_inputs()), 0.125, jit=False)
+
+
+@pytest.mark.parametrize("slopes", [torch.ones(3), torch.ones(4, dtype=torch.float16)], ids=str)
+def test_rejects_bad_alibi_slopes(slopes):
+    with pytest.raises(TorchXlaExtError, match="argument 'alibi_slopes'"):
+        run(_bad_inputs(), 0.125, alibi_slopes=slopes, jit=False)
+
+
+def _raw_call(inputs, alibi_slopes):
+    """The target called directly, past the Python checks, so the handler's checks run."""
+    args = [to_jax(t) for t in inputs] + [to_jax(alibi_slopes)]
+    out_type = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+    call = jax.ffi.ffi_call(xla_ext_jax.PAGED_ATTENTION_TARGET, out_type)
+    fn = jax.jit(lambda *a: call(*a, scale=np.float32(0.125), softcap=np.float32(0.0)))
+    return jax.block_until_ready(fn(*args))
+
+
+@pytest.mark.parametrize("arg,corrupt", BAD_INPUTS + [
+    ("alibi_slopes", lambda x: x + [torch.ones(3)]),
+    ("alibi_slopes", lambda x: x + [torch.ones(4, dtype=torch.float16)]),
+], ids=[a for a, _ in BAD_INPUTS] + ["alibi_slopes"] * 2)
+def test_handler_rejects_bad_arguments(arg, corrupt):
+    inputs = corrupt(_bad_inputs())
+    slopes = inputs.pop() if len(inputs) == 6 else torch.zeros(0)
+    with pytest.raises(Exception, match=f"argument '{arg}'"):
+        _raw_call(inputs, slopes)
+
+
+@pytest.mark.parametrize("case", ["negative", "beyond_table"])
+def test_bad_seq_lens(case):
+    inputs = _bad_inputs()  # block tables of 3 blocks of 8: at most 24 tokens
+    inputs[4][1] = -1 if case == "negative" else 25
+    with pytest.raises(TorchXlaExtError, match="argument 'seq_lens'"):
+        run(inputs, 0.125, jit=False)
+    if PLATFORM == "cpu":
+        message = "argument 'seq_lens'" + (".*beyond the block table" if case != "negative" else "")
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(run(inputs, 0.125))
+    else:  # CUDA clamps to [0, capacity] (kernels/paged_attention/paged_attention.h)
+        out = to_torch(run(inputs, 0.125))
+        inputs[4][1] = 0 if case == "negative" else 24
+        assert_close(out, reference.paged_attention_ref(*inputs, 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("block_id", [-1, 1000])
+def test_bad_block_ids(block_id):
+    inputs = _bad_inputs()
+    inputs[3][1, :] = block_id  # every block of sequence 1
+    with pytest.raises(TorchXlaExtError, match="argument 'block_tables'"):
+        run(inputs, 0.125, jit=False)
+    if PLATFORM == "cpu":
+        with pytest.raises(Exception, match="argument 'block_tables'"):
+            jax.block_until_ready(run(inputs, 0.125))
+    else:  # CUDA skips tokens in invalid blocks: no token left gives zeros
+        out = to_torch(run(inputs, 0.125))
+        assert torch.all(out[1] == 0)
+        first_seq = [inputs[0][:1], inputs[1], inputs[2], inputs[3][:1], inputs[4][:1]]
+        assert_close(out[:1], reference.paged_attention_ref(*first_seq, 0.125), torch.float32)

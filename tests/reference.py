@@ -1,0 +1,61 @@
+"""Float64 PyTorch references for the kernels, written for clarity rather than speed."""
+
+import math
+
+import torch
+
+
+def simple_add_ref(a, b):
+    return a.double() + b.double()
+
+
+def paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                        softcap=0.0, alibi_slopes=None):
+    """vLLM decode attention over a paged NHD cache; returns float64
+    [num_seqs, num_heads, head_size]. Sequences of length 0 give zeros."""
+    num_seqs, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_seqs, num_heads, head_size, dtype=torch.float64)
+    for seq in range(num_seqs):
+        seq_len = int(seq_lens[seq])
+        if seq_len == 0:
+            continue
+        tokens = torch.arange(seq_len)
+        blocks = block_tables[seq].long()[tokens // block_size]
+        offsets = tokens % block_size
+        # [seq_len, num_kv_heads, head_size] -> one kv head per query head
+        k = key_cache[blocks, offsets].double().repeat_interleave(group, dim=1)
+        v = value_cache[blocks, offsets].double().repeat_interleave(group, dim=1)
+        q = query[seq].double()
+        logits = scale * torch.einsum("hd,thd->ht", q, k)
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        if alibi_slopes is not None:
+            logits = logits + alibi_slopes.double()[:, None] * (tokens - (seq_len - 1)).double()
+        weights = torch.softmax(logits, dim=-1)
+        out[seq] = torch.einsum("ht,thd->hd", weights, v)
+    return out
+
+
+def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping):
+    """Returns new (key_cache, value_cache) with token i's rows at slot slot_mapping[i]
+    (slot = block * block_size + offset); negative slots are skipped."""
+    num_blocks, block_size = key_cache.shape[:2]
+    kc = key_cache.clone().reshape(num_blocks * block_size, *key_cache.shape[2:])
+    vc = value_cache.clone().reshape(num_blocks * block_size, *value_cache.shape[2:])
+    keep = slot_mapping >= 0
+    kc[slot_mapping[keep]] = key[keep]
+    vc[slot_mapping[keep]] = value[keep]
+    return kc.reshape(key_cache.shape), vc.reshape(value_cache.shape)
+
+
+def alibi_slopes(num_heads):
+    """The ALiBi paper's slopes (as in vLLM), float32 [num_heads]."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)

@@ -1,0 +1,156 @@
+"""torch_xla runs our custom calls after `import torch_xla_ext` and nothing else."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+
+def test_users_example_returns_5_7_9(xla_device):
+    import torch_xla
+
+    a = torch.tensor([1.0, 2.0, 3.0], device=xla_device)
+    b = torch.tensor([4.0, 5.0, 6.0], device=xla_device)
+    (out,) = torch_xla._XLAC._xla_gpu_custom_call([a, b], "", [[3]], [torch.float32],
+                                                  target="XlaGpuSimpleAdd")
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([out])
+    assert 'custom_call_target="XlaGpuSimpleAdd"' in hlo
+    assert "api_version=API_VERSION_TYPED_FFI" in hlo
+    assert out.cpu().tolist() == [5.0, 7.0, 9.0]
+
+
+def test_gpu_custom_call_keeps_the_2_8_default_target(xla_device):
+    import torch_xla
+
+    a = torch.ones(2, device=xla_device)
+    (out,) = torch_xla._XLAC._xla_gpu_custom_call([a], "opaque", [[2]], [torch.float32])
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([out])
+    assert 'custom_call_target="triton_kernel_call"' in hlo
+    assert "API_VERSION_STATUS_RETURNING" in hlo and 'backend_config="opaque"' in hlo
+
+
+def test_optimized_hlo_keeps_the_custom_call_even_for_constants(tmp_path):
+    # A fresh process, so that XLA_FLAGS is read: XLA may fold everything around the call
+    # (the inputs are constants) but must keep the opaque custom call.
+    script = textwrap.dedent("""
+        import torch, torch_xla, torch_xla_ext
+        dev = torch_xla.device()
+        a = torch.full((3,), 2.0, device=dev)
+        b = torch.arange(3, dtype=torch.float32, device=dev) * 0 + 1
+        out = torch.ops.xla_ext.simple_add(a, b)
+        print(out.cpu().tolist())
+    """)
+    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=f"--xla_dump_to={tmp_path}")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[3.0, 3.0, 3.0]"
+    optimized = [open(p).read() for p in glob.glob(str(tmp_path / "*after_optimizations.txt"))]
+    assert optimized, os.listdir(tmp_path)
+    calls = [line for text in optimized for line in text.splitlines() if "custom-call(" in line]
+    assert len(calls) == 1, calls
+    assert 'custom_call_target="XlaGpuSimpleAdd"' in calls[0]
+    assert "api_version=API_VERSION_TYPED_FFI" in calls[0]
+
+
+def test_stale_executable_bug_in_stock_torch_xla_and_our_fix(xla_device, user_kernel_library):
+    """Stock `_xla_custom_call` hashes only the target: the second call, differing only in
+    its attribute, reuses the first executable. Ours gives each call its own."""
+    import torch_xla
+
+    import torch_xla_ext
+
+    torch_xla_ext.load_kernels(user_kernel_library)
+    x = torch.tensor([1.0, 2.0, 3.0], device=xla_device)
+
+    def stock(factor):
+        (out,) = torch_xla._XLAC._xla_custom_call([x], "user.scale", [[3]], [torch.float32], False,
+                                                  f"{{factor = {factor} : f32}}", 4, {})
+        return out.cpu().tolist()
+
+    def ours(factor):
+        (out,) = torch_xla_ext.custom_call([x], "user.scale", [[3]], [torch.float32],
+                                           attrs={"factor": factor})
+        return out.cpu().tolist()
+
+    assert stock(2.0) == [2.0, 4.0, 6.0]
+    assert stock(10.0) == [2.0, 4.0, 6.0], "stock torch_xla 2.9 no longer shows the bug"
+    assert ours(2.0) == [2.0, 4.0, 6.0]
+    assert ours(10.0) == [10.0, 20.0, 30.0]
+    assert ours(2.0) == [2.0, 4.0, 6.0]
+
+
+def test_calls_differing_only_in_output_shape_or_dtype(xla_device):
+    import torch_xla_ext
+
+    a = torch.ones(3, device=xla_device)
+    b = torch.ones(3, device=xla_device, dtype=torch.bfloat16)
+    (f32,) = torch_xla_ext.custom_call([a, a], "XlaGpuSimpleAdd", [[3]], [torch.float32])
+    (bf16,) = torch_xla_ext.custom_call([b, b], "XlaGpuSimpleAdd", [[3]], [torch.bfloat16])
+    (grid,) = torch_xla_ext.custom_call([a.view(1, 3), a.view(1, 3)], "XlaGpuSimpleAdd", [[1, 3]],
+                                        [torch.float32])
+    assert f32.cpu().dtype == torch.float32 and f32.cpu().tolist() == [2.0] * 3
+    assert bf16.cpu().dtype == torch.bfloat16 and bf16.cpu().tolist() == [2.0] * 3
+    assert grid.cpu().shape == (1, 3)
+
+
+@pytest.mark.parametrize("attrs, expected", [
+    ({"n": 3}, "{n = 3 : i64}"),
+    ({"x": 0.1}, "{x = 0.1 : f32}"),
+    ({"x": __import__("numpy").float64(0.1)}, "{x = 0.1 : f64}"),
+    ({"k": __import__("numpy").int32(-2)}, "{k = -2 : i32}"),
+    ({"on": True, "name": 'a "q"'}, '{name = "a \\"q\\"", on = true}'),
+    ({"v": [1, 2, 3]}, "{v = array<i64: 1, 2, 3>}"),
+    ({"d": {"b": 1.5, "a": 1}}, "{d = {a = 1 : i64, b = 1.5 : f32}}"),
+    ({"inf": float("inf")}, "{inf = 0x7F800000 : f32}"),
+])
+def test_attributes_become_exactly_typed_mlir(attrs, expected):
+    from torch_xla_ext import mlir_dictionary
+
+    assert mlir_dictionary(attrs) == expected
+
+
+def test_bad_arguments_name_what_is_wrong(xla_device):
+    from torch_xla_ext import TorchXlaExtError, custom_call
+
+    a = torch.ones(3, device=xla_device)
+    cases = [
+        (lambda: custom_call(a, "t", [[3]], [torch.float32]), "inputs: expected a list"),
+        (lambda: custom_call([torch.ones(3)], "t", [[3]], [torch.float32]),
+         r"inputs\[0\]: expected a tensor on an XLA device, got one on cpu"),
+        (lambda: custom_call([a], "", [[3]], [torch.float32]), "target: expected a non-empty"),
+        (lambda: custom_call([a], "t", [[3]], []), "output_shapes, output_dtypes"),
+        (lambda: custom_call([a], "t", [[3]], [torch.complex64]), "dtype torch.complex64"),
+        (lambda: custom_call([a], "t", [[3]], [torch.float32], attrs={"x": object()}),
+         r"attrs\['x'\]: expected int, float"),
+        (lambda: custom_call([a], "t", [[3]], [torch.float32], aliases={0: 5}),
+         "aliases: {0: 5} is out of range"),
+        (lambda: custom_call([a], "t", [[3]], [torch.float32], api_version=7), "api_version"),
+    ]
+    for call, message in cases:
+        with pytest.raises(TorchXlaExtError, match=message):
+            call()
+    # The process goes on: a good call still works.
+    from torch_xla_ext import custom_call as call_ok
+    (out,) = call_ok([a, a], "XlaGpuSimpleAdd", [[3]], [torch.float32])
+    assert out.cpu().tolist() == [2.0] * 3
+
+
+def test_user_kernel_through_gpu_custom_call(xla_device, user_kernel_library):
+    import torch_xla
+
+    import torch_xla_ext
+
+    library = torch_xla_ext.load_kernels(user_kernel_library)
+    assert [(k.target, k.platform) for k in library.kernels] == [("user.scale", "Host")]
+    x = torch.tensor([1.0, -2.0], device=xla_device)
+    (out,) = torch_xla._XLAC._xla_gpu_custom_call([x], "{factor = 3.0 : f32}", [[2]],
+                                                  [torch.float32], target="user.scale")
+    assert out.cpu().tolist() == [3.0, -6.0]
+    rows = {(r["target"], r["platform"]): r["registered_in"]
+            for r in torch_xla_ext.binders.registrations()}
+    assert "torch_xla" in rows[("user.scale", "Host")]

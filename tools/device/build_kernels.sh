@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Builds torch_xla_ext/lib/libxla_ext_{kernels,binder,eager}.so with nvcc and g++ directly,
+# for machines without Bazel (the GPU machine). Same sources and flags as tools/cuda.bzl and
+# torch_xla_ext/lib/BUILD.bazel. Run from anywhere; objects go to .devbuild/obj.
+#
+#   XLA_FFI_INCLUDE  directory holding xla/ffi/api/*.h (jaxlib 0.7.1's, FFI 0.1);
+#                    default .devbuild/ffi_include
+#   CUDA_HOME        default /usr/local/cuda
+#   JOBS             parallel compiles, default: number of CPUs
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+FFI_INCLUDE="${XLA_FFI_INCLUDE:-$ROOT/.devbuild/ffi_include}"
+CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+JOBS="${JOBS:-$(nproc)}"
+[[ -f "$FFI_INCLUDE/xla/ffi/api/ffi.h" ]] || {
+  echo "no XLA FFI headers under $FFI_INCLUDE (set XLA_FFI_INCLUDE)" >&2; exit 1; }
+
+BUILD="$ROOT/.devbuild"
+OBJ="$BUILD/obj"
+# Kernels include the registry as "xla_ext/registry.h" (kernels/registry/BUILD.bazel).
+mkdir -p "$OBJ" "$BUILD/include"
+ln -sfn "$ROOT/kernels/registry" "$BUILD/include/xla_ext"
+
+INCLUDES=(-I "$ROOT" -I "$BUILD/include" -isystem "$FFI_INCLUDE" -isystem "$CUDA_HOME/include")
+CUDA_ARCH_FLAGS=(
+  -gencode=arch=compute_80,code=sm_80
+  -gencode=arch=compute_90a,code=sm_90a
+  -gencode=arch=compute_90,code=compute_90
+)
+CXXFLAGS=(-std=c++17 -O2 -fPIC -fvisibility=hidden)
+
+compile() {  # source -> object, by extension
+  local src="$1" obj="$OBJ/${1//\//_}.o"
+  case "$src" in
+    *.cu) "$CUDA_HOME/bin/nvcc" -std=c++17 -O3 -Xcompiler=-fPIC,-fvisibility=hidden \
+            --expt-relaxed-constexpr --threads 0 "${CUDA_ARCH_FLAGS[@]}" "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
+    *) g++ "${CXXFLAGS[@]}" "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
+  esac
+}
+
+KERNEL_SRCS=(kernels/*/*.cu kernels/*/*_host.cc)
+# torch_xla_ext/csrc: one library per source, as in torch_xla_ext/lib/BUILD.bazel.
+declare -A CSRC_LIBRARY=(
+  [torch_xla_ext/csrc/binder.cc]=libxla_ext_binder.so
+  [torch_xla_ext/csrc/eager_runtime.cc]=libxla_ext_eager.so
+)
+pids=()
+for src in "${KERNEL_SRCS[@]}" "${!CSRC_LIBRARY[@]}"; do
+  while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done
+  compile "$src" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+
+objects() { for src in "$@"; do echo "$OBJ/${src//\//_}.o"; done; }
+LINK=(-shared -Wl,--version-script=torch_xla_ext/lib/exports.lds)
+# --whole-archive is not needed: every object is linked, so every static registration runs.
+g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_kernels.so $(objects "${KERNEL_SRCS[@]}") \
+  "$CUDA_HOME/lib64/libcudart_static.a" -ldl -lpthread -lrt
+for src in "${!CSRC_LIBRARY[@]}"; do
+  g++ "${LINK[@]}" -o "torch_xla_ext/lib/${CSRC_LIBRARY[$src]}" $(objects "$src")
+done
+ls -l torch_xla_ext/lib/*.so

@@ -1,0 +1,3 @@
+from torch_xla_ext.cli import run
+
+run()

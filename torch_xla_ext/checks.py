@@ -1,0 +1,107 @@
+"""Argument checks for our ops, shared by every front end (torch.library, torch_xla, JAX).
+
+They read only `.shape` and `.dtype` (torch, numpy or JAX arrays), so a bad call fails at the
+call site, before anything is traced or executed, with the same message everywhere.
+"""
+
+from torch_xla_ext.errors import TorchXlaExtError  # noqa: F401 (re-exported for ops)
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+
+
+def dtype_name(x):
+    return str(x.dtype).replace("torch.", "")
+
+
+def _fail(op, arg, expected, actual):
+    raise TorchXlaExtError(f"{op}: argument '{arg}': expected {expected}, got {actual}")
+
+
+def _shape(x):
+    return [int(d) for d in x.shape]
+
+
+def _check_rank(op, arg, x, rank, layout):
+    if len(x.shape) != rank:
+        _fail(op, arg, f"rank {rank} {layout}", f"shape {_shape(x)}")
+
+
+def _check_dtype(op, arg, x, allowed):
+    if dtype_name(x) not in allowed:
+        _fail(op, arg, "dtype " + " or ".join(allowed), f"dtype {dtype_name(x)}")
+
+
+def _check_same(op, arg, x, ref_arg, ref):
+    if _shape(x) != _shape(ref):
+        _fail(op, arg, f"shape {_shape(ref)} (the shape of '{ref_arg}')", f"shape {_shape(x)}")
+    if dtype_name(x) != dtype_name(ref):
+        _fail(op, arg, f"dtype {dtype_name(ref)} (the dtype of '{ref_arg}')",
+              f"dtype {dtype_name(x)}")
+
+
+def simple_add(a, b):
+    op = "XlaGpuSimpleAdd"
+    _check_dtype(op, "a", a, FLOAT_DTYPES)
+    _check_same(op, "b", b, "a", a)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
+                    alibi_slopes):
+    op = "xla_ext.paged_attention"
+    _check_rank(op, "query", query, 3, "[num_seqs, num_heads, head_size]")
+    _check_dtype(op, "query", query, FLOAT_DTYPES)
+    _check_rank(op, "key_cache", key_cache, 4,
+                "[num_blocks, block_size, num_kv_heads, head_size]")
+    if dtype_name(key_cache) != dtype_name(query):
+        _fail(op, "key_cache", f"dtype {dtype_name(query)} (the dtype of 'query')",
+              f"dtype {dtype_name(key_cache)}")
+    _check_same(op, "value_cache", value_cache, "key_cache", key_cache)
+    num_seqs, num_heads, head_size = _shape(query)
+    _, block_size, num_kv_heads, cache_head_size = _shape(key_cache)
+    if cache_head_size != head_size:
+        _fail(op, "key_cache", f"head_size {head_size} in dimension 3 (as 'query')",
+              f"{cache_head_size}")
+    if head_size not in HEAD_SIZES:
+        _fail(op, "query", f"head_size in {list(HEAD_SIZES)}", f"{head_size}")
+    if block_size not in BLOCK_SIZES:
+        _fail(op, "key_cache", f"block_size in {list(BLOCK_SIZES)}", f"{block_size}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        _fail(op, "key_cache", f"num_kv_heads dividing num_heads={num_heads}", f"{num_kv_heads}")
+    _check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    _check_dtype(op, "block_tables", block_tables, ("int32",))
+    if _shape(block_tables)[0] != num_seqs:
+        _fail(op, "block_tables", f"{num_seqs} rows (num_seqs of 'query')",
+              f"shape {_shape(block_tables)}")
+    _check_dtype(op, "seq_lens", seq_lens, ("int32",))
+    if _shape(seq_lens) != [num_seqs]:
+        _fail(op, "seq_lens", f"shape [{num_seqs}]", f"shape {_shape(seq_lens)}")
+    if alibi_slopes is not None:
+        _check_dtype(op, "alibi_slopes", alibi_slopes, ("float32",))
+        if _shape(alibi_slopes) != [num_heads]:
+            _fail(op, "alibi_slopes", f"shape [{num_heads}]", f"shape {_shape(alibi_slopes)}")
+    if not float(scale) == float(scale) or abs(float(scale)) == float("inf"):
+        _fail(op, "scale", "a finite float", f"{scale}")
+    if not float(softcap) >= 0.0:
+        _fail(op, "softcap", "a float >= 0 (0 turns it off)", f"{softcap}")
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    op = "xla_ext.reshape_and_cache"
+    _check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    _check_dtype(op, "key", key, FLOAT_DTYPES)
+    _check_same(op, "value", value, "key", key)
+    _check_rank(op, "key_cache", key_cache, 4,
+                "[num_blocks, block_size, num_kv_heads, head_size]")
+    _check_same(op, "value_cache", value_cache, "key_cache", key_cache)
+    if dtype_name(key_cache) != dtype_name(key):
+        _fail(op, "key_cache", f"dtype {dtype_name(key)} (the dtype of 'key')",
+              f"dtype {dtype_name(key_cache)}")
+    num_tokens, num_kv_heads, head_size = _shape(key)
+    if _shape(key_cache)[2:] != [num_kv_heads, head_size]:
+        _fail(op, "key_cache", f"[num_kv_heads, head_size] = {[num_kv_heads, head_size]} in "
+              "dimensions 2-3 (as 'key')", f"shape {_shape(key_cache)}")
+    _check_dtype(op, "slot_mapping", slot_mapping, ("int64",))
+    if _shape(slot_mapping) != [num_tokens]:
+        _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")

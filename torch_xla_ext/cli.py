@@ -1,0 +1,184 @@
+"""python -m torch_xla_ext {demo,doctor}."""
+
+import importlib.metadata
+import json
+import os
+import re
+import sys
+
+from absl import app, flags, logging
+
+flags.DEFINE_bool("json", False, "doctor: print the report as JSON")
+FLAGS = flags.FLAGS
+
+USAGE = "usage: python -m torch_xla_ext {demo,doctor [--json]}"
+
+
+def _custom_call_lines(hlo):
+    """Each custom call of the HLO, shortened to what identifies it."""
+    keep = ("custom_call_target=", "api_version=", "backend_config=", "output_to_operand_aliasing=")
+    lines = []
+    for line in hlo.splitlines():
+        if "custom-call(" not in line:
+            continue
+        name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+        shape = rest.split(" custom-call(")[0]
+        fields = [f for f in re.split(r", (?=[a-z_]+=)", rest) if f.startswith(keep)]
+        lines.append(f"{name} = {shape} custom-call(...), {', '.join(fields)}")
+    return lines
+
+
+def _check(name, got, want, atol, lines):
+    import torch
+
+    error = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    ok = got.shape == want.shape and error <= atol
+    lines.append(f"  {name}: max |error| vs PyTorch = {error:.3g} (tolerance {atol:g}) "
+                 f"{'OK' if ok else 'MISMATCH'}")
+    return ok and torch.isfinite(got).all().item()
+
+
+def _paged_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Decode attention the plain PyTorch way: gather each sequence's blocks, then SDPA."""
+    import torch
+
+    outputs = []
+    block_size = key_cache.shape[1]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len].double()  # [seq_len, kv_heads, head]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].double()
+        q = query[i].double().unsqueeze(1)  # [heads, 1, head]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True)
+        outputs.append(out.squeeze(1))
+    return torch.stack(outputs)
+
+
+def demo():
+    import torch
+    import torch_xla
+
+    import torch_xla_ext
+
+    device = torch_xla.device()
+    print(f"torch_xla_ext {torch_xla_ext.__version__} on {device} "
+          f"(PJRT_DEVICE={os.environ.get('PJRT_DEVICE')}); no registration step was run.\n")
+    ok = True
+
+    print("1. The user's kernel, through the restored _xla_gpu_custom_call(target=...):")
+    a = torch.tensor([1.0, 2.0, 3.0], device=device)
+    b = torch.tensor([4.0, 5.0, 6.0], device=device)
+    (out,) = torch_xla._XLAC._xla_gpu_custom_call([a, b], "", [[3]], [torch.float32],
+                                                  target="XlaGpuSimpleAdd")
+    for line in _custom_call_lines(torch_xla._XLAC._get_xla_tensors_hlo([out])):
+        print("  HLO:", line)
+    result = out.cpu()
+    print(f"  [1, 2, 3] + [4, 5, 6] = {result.tolist()}")
+    lines = []
+    ok &= _check("XlaGpuSimpleAdd", result, torch.tensor([5.0, 7.0, 9.0]), 0.0, lines)
+
+    print("\n2. One decode step: write this step's K/V into the paged cache, then attend:")
+    torch.manual_seed(0)
+    num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks = 3, 8, 2, 64, 16, 12
+    seq_lens = torch.tensor([5, 17, 33], dtype=torch.int32)  # lengths including this token
+    block_tables = torch.randperm(num_blocks)[: num_seqs * 3].reshape(num_seqs, 3).int()
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size)
+    new_key = torch.randn(num_seqs, num_kv_heads, head_size)
+    new_value = torch.randn(num_seqs, num_kv_heads, head_size)
+    query = torch.randn(num_seqs, num_heads, head_size)
+    positions = (seq_lens - 1).long()
+    slots = block_tables.long().gather(1, (positions // block_size)[:, None])[:, 0] * block_size \
+        + positions % block_size
+    scale = head_size ** -0.5
+
+    xla_key_cache, xla_value_cache = key_cache.to(device), value_cache.to(device)
+    torch.ops.xla_ext.reshape_and_cache(new_key.to(device), new_value.to(device), xla_key_cache,
+                                        xla_value_cache, slots.to(device))
+    attn = torch.ops.xla_ext.paged_attention(query.to(device), xla_key_cache, xla_value_cache,
+                                             block_tables.to(device), seq_lens.to(device), scale)
+    for line in _custom_call_lines(torch_xla._XLAC._get_xla_tensors_hlo([attn, xla_key_cache])):
+        print("  HLO:", line)
+    torch_xla.sync()
+
+    want_key_cache, want_value_cache = key_cache.clone(), value_cache.clone()
+    want_key_cache.view(-1, num_kv_heads, head_size)[slots] = new_key
+    want_value_cache.view(-1, num_kv_heads, head_size)[slots] = new_value
+    want_attn = _paged_attention_torch(query, want_key_cache, want_value_cache, block_tables,
+                                       seq_lens, scale)
+    ok &= _check("xla_ext.reshape_and_cache (key_cache)", xla_key_cache.cpu(), want_key_cache, 0.0,
+                 lines)
+    ok &= _check("xla_ext.reshape_and_cache (value_cache)", xla_value_cache.cpu(),
+                 want_value_cache, 0.0, lines)
+    ok &= _check("xla_ext.paged_attention", attn.cpu(), want_attn, 1e-4, lines)
+
+    print("\nResults against PyTorch:")
+    print("\n".join(lines))
+    print("\nAll results match PyTorch." if ok else "\nSOME RESULTS DO NOT MATCH PyTorch.")
+    return 0 if ok else 1
+
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def doctor_report():
+    import torch_xla_ext
+    from torch_xla_ext import binders
+
+    try:  # JAX is optional; where installed, its XLA gets the kernels too.
+        import torch_xla_ext.jax  # noqa: F401
+    except ImportError as e:
+        logging.info("JAX front end not available: %s", e)
+    kernels_ffi = sorted({"%d.%d" % lib.ffi_version for lib in binders.libraries()})
+    return {
+        "versions": {
+            "torch_xla_ext": torch_xla_ext.__version__,
+            "torch": _version("torch"),
+            "torch_xla": _version("torch_xla"),
+            "jax": _version("jax"),
+            "jaxlib": _version("jaxlib"),
+            "kernels_ffi_api": kernels_ffi[0] if len(kernels_ffi) == 1 else kernels_ffi,
+        },
+        "libraries": [{"path": lib.path, "ffi_api": "%d.%d" % lib.ffi_version,
+                       "kernels": len(lib.kernels)} for lib in binders.libraries()],
+        "runtimes": [runtime.describe() for runtime in binders.runtimes()],
+        "targets": binders.registrations(),
+    }
+
+
+def doctor():
+    report = doctor_report()
+    if FLAGS.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("versions:")
+    for name, version in report["versions"].items():
+        print(f"  {name:16} {version}")
+    print("runtimes:")
+    for runtime in report["runtimes"]:
+        extra = f", FFI API {runtime['ffi_api']}" if "ffi_api" in runtime else ""
+        print(f"  {runtime['name']:10} {runtime['kind']} {runtime['version']}{extra}; "
+              f"platforms {', '.join(runtime['platforms'])}")
+    print("targets:")
+    for row in report["targets"]:
+        where = ", ".join(row["registered_in"]) or "not registered in any runtime"
+        print(f"  {row['target']:28} {row['platform']:5} -> {where}")
+    return 0
+
+
+def main(argv):
+    commands = {"demo": demo, "doctor": doctor}
+    if len(argv) != 2 or argv[1] not in commands:
+        print(USAGE, file=sys.stderr)
+        return 2
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    return commands[argv[1]]()
+
+
+def run():
+    app.run(main)
