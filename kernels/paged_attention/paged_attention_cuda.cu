@@ -22,10 +22,19 @@
 namespace xla_ext::paged_attention {
 namespace {
 
+// Build-time tuning knobs (tools/device/tune_paged_attention.sh measures them); the defaults
+// are the fastest measured on an H100 (bench/results/).
+#ifndef XLA_EXT_PAGED_ATTENTION_PARTITION
+#define XLA_EXT_PAGED_ATTENTION_PARTITION 512
+#endif
+#ifndef XLA_EXT_PAGED_ATTENTION_UNROLL
+#define XLA_EXT_PAGED_ATTENTION_UNROLL 4
+#endif
+
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kPartition = 512;  // tokens per CTA; longer sequences are split
-constexpr int kUnroll = 4;       // tokens a thread loads before using them
+constexpr int kPartition = XLA_EXT_PAGED_ATTENTION_PARTITION;  // tokens per CTA
+constexpr int kUnroll = XLA_EXT_PAGED_ATTENTION_UNROLL;  // tokens a thread loads before use
 constexpr int kMaxHeadsPerCta = 8;
 
 struct Params {
@@ -443,7 +452,8 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   if (num_partitions > 1) {
     const int64_t rows = s.num_seqs * s.num_heads * num_partitions;
     const size_t bytes = static_cast<size_t>(rows * (2 + s.head_size)) * sizeof(float);
-    std::optional<void*> buffer = scratch.Allocate(bytes, 256);
+    // XLA refuses alignments above 16 bytes (its FFI DeviceMemory_Allocate).
+    std::optional<void*> buffer = scratch.Allocate(bytes, 16);
     if (!buffer.has_value()) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                         std::string(kTarget) + ": cannot allocate " + std::to_string(bytes) +

@@ -1,6 +1,5 @@
 // CUDA xla_ext.reshape_and_cache: one CTA per token copies its key and value rows (contiguous
 // in both the input and the cache slot) with 16-byte loads and stores where aligned.
-#include <algorithm>
 #include <cstdint>
 
 #include "kernels/common/cuda_utils.cuh"

@@ -7,6 +7,8 @@
 #                    default .devbuild/ffi_include
 #   CUDA_HOME        default /usr/local/cuda
 #   JOBS             parallel compiles, default: number of CPUs
+#   CUDA_GENCODE     replaces the -gencode flags (e.g. "-gencode=arch=compute_90a,code=sm_90a")
+#   NVCC_EXTRA_FLAGS appended to every nvcc command (e.g. tuning -D flags)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -29,13 +31,16 @@ CUDA_ARCH_FLAGS=(
   -gencode=arch=compute_90a,code=sm_90a
   -gencode=arch=compute_90,code=compute_90
 )
+[[ -n "${CUDA_GENCODE:-}" ]] && read -r -a CUDA_ARCH_FLAGS <<<"$CUDA_GENCODE"
+read -r -a NVCC_EXTRA <<<"${NVCC_EXTRA_FLAGS:-}"
 CXXFLAGS=(-std=c++17 -O2 -fPIC -fvisibility=hidden)
 
 compile() {  # source -> object, by extension
   local src="$1" obj="$OBJ/${1//\//_}.o"
   case "$src" in
     *.cu) "$CUDA_HOME/bin/nvcc" -std=c++17 -O3 -Xcompiler=-fPIC,-fvisibility=hidden \
-            --expt-relaxed-constexpr --threads 0 "${CUDA_ARCH_FLAGS[@]}" "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
+            --expt-relaxed-constexpr --threads 0 "${CUDA_ARCH_FLAGS[@]}" "${NVCC_EXTRA[@]}" \
+            "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
     *) g++ "${CXXFLAGS[@]}" "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
   esac
 }

@@ -21,5 +21,5 @@ fi
 XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   tests/kernels > "$OUT/tests.txt" 2>&1
 tail -25 "$OUT/tests.txt"
-python3 bench/paged_attention_quick.py "$@" > "$OUT/bench.json" 2> "$OUT/bench.err"
+python3 bench/decode_bench.py --out "$OUT/bench.json" "$@" > /dev/null 2> "$OUT/bench.err"
 cat "$OUT/bench.json"; tail -5 "$OUT/bench.err"

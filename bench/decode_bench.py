@@ -1,0 +1,229 @@
+"""GPU benchmark (issue: prove the kernels on an H100): one process, all baselines.
+
+    python bench/decode_bench.py --out bench/results/h100.json
+
+Rows (schema of shared/DESIGN.md): paged_attention decode, bf16, H=32, KVH=8, D=128, through
+  xla_ext     our CUDA handler inside an XLA GPU graph (JAX, jax.ffi.ffi_call),
+  sdpa_cudnn  torch SDPA, cuDNN backend, on the same data as a contiguous KV cache,
+  sdpa_flash  torch SDPA, flash backend, same,
+  xla_gather  plain JAX: gather the blocks, then einsum/softmax/einsum, compiled by XLA;
+simple_add at 1 GiB (f32) against XLA's own add; and "dispatch": one 4 KiB add, ours against
+XLA's, as the per-op cost inside a compiled graph. Each row: median time per call, GB/s of the
+bytes that must move, and % of the device-to-device copy bandwidth measured in this run.
+
+Timing: JAX functions are jitted chains of CHAIN dependent calls (each output feeds the next
+call) timed by wall clock around block_until_ready; torch functions are CHAIN back-to-back
+launches timed with CUDA events. Per call = median over reps / CHAIN.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+# JAX and torch share the GPU in this process: stop JAX from taking 75% of it up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+from torch_xla_ext import jax as xla_ext_jax  # noqa: E402
+
+CHAIN = 20
+ONLY = None  # --only: the one impl to measure
+H, KVH, D = 32, 8, 128
+SHAPES = [(32, 4096, 16), (8, 16384, 16), (64, 1024, 16), (1, 32768, 16), (32, 4096, 32)]
+
+
+def jax_seconds(fn, args, reps):
+    jax.block_until_ready(fn(*args))  # compile, warm up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / CHAIN
+
+
+def torch_seconds(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CHAIN):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / CHAIN
+
+
+def copy_gbps(reps):
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = torch_seconds(lambda: dst.copy_(src), reps)
+    return 2 * src.numel() / seconds / 1e9  # read + write
+
+
+def wanted(impl):
+    return ONLY is None or impl == ONLY
+
+
+def row(op, shape, impl, seconds, nbytes, copy):
+    gbps = nbytes / seconds / 1e9
+    return {"op": op, "shape": shape, "impl": impl, "time_us": round(seconds * 1e6, 2),
+            "gbps": round(gbps, 1), "pct_of_copy": round(100 * gbps / copy, 1)}
+
+
+def xla_gather_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Paged decode attention in plain JAX, as XLA compiles it without a custom kernel."""
+    batch, blocks = block_tables.shape
+    block_size = key_cache.shape[1]
+    k = key_cache[block_tables].reshape(batch, blocks * block_size, KVH, D)
+    v = value_cache[block_tables].reshape(batch, blocks * block_size, KVH, D)
+    q = query.reshape(batch, KVH, H // KVH, D)
+    logits = jnp.einsum("bkgd,blkd->bkgl", q, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.arange(blocks * block_size)[None, None, None, :] < seq_lens[:, None, None, None]
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgl,blkd->bkgd", probs.astype(v.dtype), v)
+    return out.reshape(batch, H, D)
+
+
+def paged_attention_rows(batch, seq_len, block_size, reps, copy):
+    shape = f"B={batch},L={seq_len},block={block_size}"
+    blocks_per_seq = seq_len // block_size
+    num_blocks = batch * blocks_per_seq
+    g = torch.Generator(device="cuda").manual_seed(0)
+    key_cache = torch.randn(num_blocks, block_size, KVH, D, device="cuda", generator=g,
+                            dtype=torch.bfloat16)
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    # Blocks scattered over the cache, as a serving engine's allocator leaves them.
+    block_tables = torch.randperm(num_blocks, device="cuda", generator=g).int().reshape(
+        batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    kv_bytes = 2 * batch * seq_len * KVH * D * 2
+    scale = D ** -0.5
+    rows = []
+
+    j = {name: jnp.asarray(t.cpu().float().numpy()).astype(
+        jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.int32)
+         for name, t in dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                             block_tables=block_tables, seq_lens=seq_lens).items()}
+    args = (j["query"], j["key_cache"], j["value_cache"], j["block_tables"], j["seq_lens"])
+
+    def chained(attention):
+        @jax.jit
+        def run(query, key_cache, value_cache, block_tables, seq_lens):
+            for _ in range(CHAIN):
+                query = attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+            return query
+        return run
+
+    ours = chained(lambda *a: xla_ext_jax.paged_attention(*a[:5], scale=a[5]))
+    gather = chained(xla_gather_attention)
+    if wanted("xla_ext"):
+        # One un-chained call of each, to show both compute the same attention.
+        one = jax.jit(lambda *a: xla_ext_jax.paged_attention(*a, scale=scale))(*args)
+        reference = jax.jit(lambda *a: xla_gather_attention(*a, scale))(*args)
+        err = float(jnp.max(jnp.abs(one.astype(jnp.float32) - reference.astype(jnp.float32))))
+        rows.append(row("paged_attention", shape, "xla_ext", jax_seconds(ours, args, reps),
+                        kv_bytes, copy) | {"max_abs_diff_vs_xla_gather": err})
+    if wanted("xla_gather"):
+        rows.append(row("paged_attention", shape, "xla_gather", jax_seconds(gather, args, reps),
+                        kv_bytes, copy))
+    del j, args
+
+    # torch SDPA on the same keys and values laid out contiguously: [B, KVH, L, D].
+    order = block_tables.long().reshape(-1)
+    k = key_cache[order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
+    v = value_cache[order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
+    q = query.unsqueeze(2)  # [B, H, 1, D]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for impl, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        if not wanted(impl):
+            continue
+
+        def sdpa():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                                        enable_gqa=True)
+        try:
+            rows.append(row("paged_attention", shape, impl, torch_seconds(sdpa, reps), kv_bytes,
+                            copy))
+        except RuntimeError as e:  # a backend that refuses this shape is reported, not hidden
+            rows.append({"op": "paged_attention", "shape": shape, "impl": impl,
+                         "error": str(e).splitlines()[0][:200]})
+    del k, v, key_cache, value_cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+def simple_add_rows(reps, copy):
+    rows = []
+    n = (1 << 30) // 4  # 1 GiB of f32 per operand
+    a = jnp.ones((n,), jnp.float32)
+    b = jnp.full((n,), 0.5, jnp.float32)
+
+    def chained(add):
+        @jax.jit
+        def run(a, b):
+            for _ in range(CHAIN):
+                a = add(a, b)
+            return a
+        return run
+
+    adds = [(impl, add) for impl, add in (("xla_ext", xla_ext_jax.simple_add),
+                                          ("xla_native", jnp.add)) if wanted(impl)]
+    for impl, add in adds:
+        rows.append(row("simple_add", "f32,1GiB", impl, jax_seconds(chained(add), (a, b), reps),
+                        3 * 4 * n, copy))
+    del a, b
+
+    small = 1024  # 4 KiB of f32: the cost is dispatching the op, not moving bytes
+    a = jnp.ones((small,), jnp.float32)
+    b = jnp.full((small,), 0.5, jnp.float32)
+    for impl, add in adds:
+        rows.append(row("dispatch", "f32,4KiB", impl, jax_seconds(chained(add), (a, b), reps * 10),
+                        3 * 4 * small, copy))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", help="keep the rows of this impl only (e.g. xla_ext), for tuning")
+    parser.add_argument("--skip-add", action="store_true", help="paged attention rows only")
+    args = parser.parse_args()
+    global ONLY
+    ONLY = args.only
+    copy = copy_gbps(args.reps)
+    rows = []
+    for batch, seq_len, block_size in SHAPES:
+        rows += paged_attention_rows(batch, seq_len, block_size, args.reps, copy)
+        print(json.dumps([r for r in rows if r["shape"].startswith(f"B={batch},L={seq_len},")
+                          and r["shape"].endswith(f"block={block_size}")]), flush=True)
+    if not args.skip_add:
+        rows += simple_add_rows(args.reps, copy)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "versions": {"jax": jax.__version__, "torch": torch.__version__},
+        "method": f"median of {args.reps} reps of {CHAIN} chained calls; see bench/decode_bench.py",
+        "copy_gbps": round(copy, 1),
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
