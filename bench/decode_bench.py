@@ -11,9 +11,11 @@ simple_add at 1 GiB (f32) against XLA's own add; and "dispatch": one 4 KiB add, 
 XLA's, as the per-op cost inside a compiled graph. Each row: median time per call, GB/s of the
 bytes that must move, and % of the device-to-device copy bandwidth measured in this run.
 
-Timing: JAX functions are jitted chains of CHAIN dependent calls (each output feeds the next
-call) timed by wall clock around block_until_ready; torch functions are CHAIN back-to-back
-launches timed with CUDA events. Per call = median over reps / CHAIN.
+Timing: JAX functions are jitted chains of CHAIN calls, each behind an optimization_barrier
+over all its inputs, so XLA can neither fuse the steps nor hoist work that does not depend on
+the previous step (the gather of the cache, say) out of the chain; timed by wall clock around
+block_until_ready. torch functions are CHAIN back-to-back launches timed with CUDA events.
+Per call = median over reps / CHAIN.
 """
 
 import argparse
@@ -118,10 +120,11 @@ def paged_attention_rows(batch, seq_len, block_size, reps, copy):
 
     def chained(attention):
         @jax.jit
-        def run(query, key_cache, value_cache, block_tables, seq_lens):
+        def run(*state):
             for _ in range(CHAIN):
-                query = attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
-            return query
+                state = jax.lax.optimization_barrier(state)
+                state = (attention(*state, scale),) + state[1:]
+            return state[0]
         return run
 
     ours = chained(lambda *a: xla_ext_jax.paged_attention(*a[:5], scale=a[5]))
@@ -175,6 +178,7 @@ def simple_add_rows(reps, copy):
         @jax.jit
         def run(a, b):
             for _ in range(CHAIN):
+                a, b = jax.lax.optimization_barrier((a, b))
                 a = add(a, b)
             return a
         return run

@@ -1,0 +1,62 @@
+"""torch.ops.xla_ext.* on CUDA tensors: the CUDA handlers, run on torch's current stream."""
+
+import pytest
+import torch
+
+from tests import reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    import torch_xla_ext  # noqa: F401
+
+
+def _inputs(dtype, num_seqs=4, heads=32, kv_heads=8, head=128, block=16, blocks=64):
+    g = torch.Generator().manual_seed(0)
+    seq_lens = torch.tensor([1, 100, 200, 256][:num_seqs], dtype=torch.int32)  # 16 blocks of 16
+    block_tables = torch.randperm(blocks, generator=g)[: num_seqs * 16].reshape(num_seqs, 16).int()
+    cache = (blocks, block, kv_heads, head)
+    return dict(query=torch.randn(num_seqs, heads, head, generator=g).to(dtype),
+                key_cache=torch.randn(cache, generator=g).to(dtype),
+                value_cache=torch.randn(cache, generator=g).to(dtype),
+                block_tables=block_tables, seq_lens=seq_lens)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_paged_attention_on_cuda_on_a_side_stream(dtype, tol):
+    inputs = _inputs(dtype)
+    want = reference.paged_attention_ref(**inputs, scale=0.088)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        got = torch.ops.xla_ext.paged_attention(**{k: v.cuda() for k, v in inputs.items()},
+                                                scale=0.088)
+    stream.synchronize()
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+def test_simple_add_and_reshape_and_cache_on_cuda():
+    a, b = torch.randn(1000, 3), torch.randn(1000, 3)
+    assert torch.equal(torch.ops.xla_ext.simple_add(a.cuda(), b.cuda()).cpu(), a + b)
+    kc, vc = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    slots = torch.tensor([0, -1, 63])
+    want_k, want_v = reference.reshape_and_cache_ref(key, value, kc, vc, slots)
+    kc_cuda, vc_cuda = kc.cuda(), vc.cuda()
+    torch.ops.xla_ext.reshape_and_cache(key.cuda(), value.cuda(), kc_cuda, vc_cuda, slots.cuda())
+    assert torch.equal(kc_cuda.cpu(), want_k.float()) and torch.equal(vc_cuda.cpu(), want_v.float())
+
+
+@pytest.mark.parametrize("op", ["simple_add", "paged_attention", "reshape_and_cache"])
+def test_opcheck_on_cuda(op):
+    args = {
+        "simple_add": lambda: (torch.randn(3, 4).cuda(), torch.randn(3, 4).cuda()),
+        "paged_attention": lambda: tuple(v.cuda() for v in _inputs(torch.float32).values())
+        + (0.1,),
+        "reshape_and_cache": lambda: (torch.randn(2, 2, 64).cuda(), torch.randn(2, 2, 64).cuda(),
+                                      torch.randn(4, 16, 2, 64).cuda(),
+                                      torch.randn(4, 16, 2, 64).cuda(),
+                                      torch.tensor([5, -1]).cuda()),
+    }[op]()
+    torch.library.opcheck(getattr(torch.ops.xla_ext, op).default, args)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU proof, in one command on the GPU machine (no Bazel there):
+#   build the kernels with its nvcc (sm_80, sm_90a, compute_90), run every GPU test (CUDA
+#   handlers through JAX's XLA GPU, through torchax, through torch on CUDA tensors), the
+#   compute-sanitizer memcheck and racecheck runs, the registration of our CUDA handlers into
+#   JAX's CUDA PJRT plugin by our own path, the benchmark, and an ncu profile of paged attention.
+# Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt and <gpu>-ncu.txt to $OUT
+# (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
+# torchax, a torchax wheel in .whl/ (see bench/README.md).
+#
+#   tools/device/run.sh [all|tests|bench]      (all: both phases; each fits 10 minutes)
+set -uo pipefail
+PHASE="${1:-all}"
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-bench/results}"
+GPU="${GPU:-h100}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+TESTS="$OUT/$GPU-tests.txt"
+status=0
+step() { echo "== $*" | tee -a "$TESTS"; }
+[[ $PHASE == bench ]] || : > "$TESTS"
+
+step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+step "build: tools/device/build_kernels.sh"
+tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
+
+if [[ $PHASE != bench ]]; then
+step "CUDA handlers through JAX on the GPU, torchax on the GPU, torch on CUDA tensors"
+XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  tests/kernels 2>&1 | tail -3 | tee -a "$TESTS" || status=1
+XLA_EXT_TEST_PLATFORM=gpu python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  tests/frontends/torchax_test.py 2>&1 | tail -3 | tee -a "$TESTS" || status=1
+python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py \
+  2>&1 | tail -3 | tee -a "$TESTS" || status=1
+
+# The sanitizers run the CUDA handlers through torch (one process, no XLA autotuning noise).
+for tool in memcheck racecheck; do
+  command -v compute-sanitizer > /dev/null || { step "compute-sanitizer: not installed"; break; }
+  step "compute-sanitizer --tool $tool: tests/gpu/torch_cuda_test.py"
+  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+    -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py -k "not opcheck" > /tmp/sanitizer.txt 2>&1
+  code=$?
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/sanitizer.txt | tee -a "$TESTS"
+  [[ $code == 0 ]] || { status=1; tail -30 /tmp/sanitizer.txt | tee -a "$TESTS"; }
+done
+
+step "our CUDA handlers registered into JAX's CUDA PJRT plugin through its FFI extension"
+python3 tests/gpu/plugin_registration.py > "$OUT/$GPU-plugin.txt" 2>&1 || status=1
+tail -3 "$OUT/$GPU-plugin.txt" | tee -a "$TESTS"
+fi
+[[ $PHASE == tests ]] && { step "done, status $status"; exit $status; }
+
+step "benchmark: bench/decode_bench.py"
+python3 bench/decode_bench.py --out "$OUT/$GPU.json" > /tmp/bench.txt 2>&1 || { status=1; tail -20 /tmp/bench.txt | tee -a "$TESTS"; }
+
+if command -v ncu > /dev/null; then
+  step "ncu: paged_attention B=32,L=4096"
+  # Through torch: the same CUDA handler, in a process ncu profiles cleanly.
+  ncu --kernel-name regex:AttendPartition --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+    --section SchedulerStats python3 bench/profile_paged_attention.py \
+    > "$OUT/$GPU-ncu.txt" 2>&1 || echo "ncu failed (see $GPU-ncu.txt)" | tee -a "$TESTS"
+else
+  step "ncu: not installed on this machine"
+fi
+step "done, status $status"
+exit $status
