@@ -14,10 +14,33 @@ REQUIREMENTS = [
     "pyelftools>=0.31",
 ]
 
+# Optional dependencies: `pip install 'torch_xla_ext[gpu]'` for torch_xla on NVIDIA GPUs
+# (PJRT_DEVICE=GPU): the CUDA PJRT plugin that speaks torch_xla 2.9's PJRT C API (0.75), and
+# the CUDA 12 libraries it loads (those of jax-cuda12-plugin[with-cuda]==0.7.1).
+EXTRAS = {
+    "gpu": [
+        "jax-cuda12-pjrt==0.7.1",
+        "nvidia-cublas-cu12>=12.1.3.1",
+        "nvidia-cuda-cupti-cu12>=12.1.105",
+        "nvidia-cuda-nvcc-cu12>=12.6.85",
+        "nvidia-cuda-nvrtc-cu12>=12.1.55",
+        "nvidia-cuda-runtime-cu12>=12.1.105",
+        "nvidia-cudnn-cu12>=9.8,<10.0",
+        "nvidia-cufft-cu12>=11.0.2.54",
+        "nvidia-cusolver-cu12>=11.4.5.107",
+        "nvidia-cusparse-cu12>=12.1.0.106",
+        "nvidia-nccl-cu12>=2.18.1",
+        "nvidia-nvjitlink-cu12>=12.1.105",
+        "nvidia-nvshmem-cu12>=3.2.5",
+    ],
+}
+
 ENTRY_POINTS = {
     "console_scripts": ["torch-xla-ext = torch_xla_ext.cli:run"],
     # JAX calls initialize() of every jax_plugins module when its backends start.
     "jax_plugins": ["xla_ext = torch_xla_ext.jax_plugin"],
+    # torch_xla registers each at import, under the upper-cased name: PJRT_DEVICE=GPU.
+    "torch_xla.plugins": ["gpu = torch_xla_ext.plugin:CudaPlugin"],
 }
 
 def _py_wheel_impl(ctx):
@@ -42,6 +65,9 @@ def _py_wheel_impl(ctx):
     args.add("--tag", "%s-%s-linux_x86_64" % (PY_TAG, PY_TAG))
     args.add("--summary", ctx.attr.summary)
     args.add_all(REQUIREMENTS, before_each = "--requires")
+    for extra, requirements in EXTRAS.items():
+        for requirement in requirements:
+            args.add("--extra-requires", "%s:%s" % (extra, requirement))
     for group, entries in ENTRY_POINTS.items():
         for entry in entries:
             args.add("--entry-point", "%s:%s" % (group, entry))

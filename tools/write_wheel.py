@@ -22,11 +22,17 @@ def main():
     parser.add_argument("--tag", required=True)
     parser.add_argument("--summary", required=True)
     parser.add_argument("--requires", action="append", default=[])
+    parser.add_argument("--extra-requires", action="append", default=[],
+                        help="extra:requirement, for `pip install 'name[extra]'`")
     parser.add_argument("--entry-point", action="append", default=[])
     parser.add_argument("--file", action="append", default=[], help="archive_path=source_path")
     args = parser.parse_args()
 
     dist_info = f"{args.name}-{args.version}.dist-info"
+    extras = {}
+    for item in args.extra_requires:
+        extra, _, requirement = item.partition(":")
+        extras.setdefault(extra, []).append(requirement)
     metadata = "\n".join([
         "Metadata-Version: 2.1",
         f"Name: {args.name}",
@@ -34,6 +40,9 @@ def main():
         f"Summary: {args.summary}",
         "Requires-Python: ==3.11.*",
         *[f"Requires-Dist: {r}" for r in args.requires],
+        *[line for extra, requirements in sorted(extras.items())
+          for line in [f"Provides-Extra: {extra}"] +
+          [f'Requires-Dist: {r}; extra == "{extra}"' for r in requirements]],
     ]) + "\n"
     wheel = "\n".join([
         "Wheel-Version: 1.0",

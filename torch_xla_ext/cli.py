@@ -1,6 +1,7 @@
 """python -m torch_xla_ext {demo,doctor}."""
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -135,7 +136,7 @@ def doctor_report():
     except ImportError as e:
         logging.info("JAX front end not available: %s", e)
     kernels_ffi = sorted({"%d.%d" % lib.ffi_version for lib in binders.libraries()})
-    return {
+    report = {
         "versions": {
             "torch_xla_ext": torch_xla_ext.__version__,
             "torch": _version("torch"),
@@ -149,6 +150,11 @@ def doctor_report():
         "runtimes": [runtime.describe() for runtime in binders.runtimes()],
         "targets": binders.registrations(),
     }
+    if importlib.util.find_spec("torch_xla") is not None:
+        from torch_xla_ext import plugin
+
+        report["gpu_plugin"] = plugin.status()
+    return report
 
 
 def doctor():
@@ -164,6 +170,13 @@ def doctor():
         extra = f", FFI API {runtime['ffi_api']}" if "ffi_api" in runtime else ""
         print(f"  {runtime['name']:10} {runtime['kind']} {runtime['version']}{extra}; "
               f"platforms {', '.join(runtime['platforms'])}")
+    if "gpu_plugin" in report:
+        gpu = report["gpu_plugin"]
+        state = "active in this process" if gpu["active"] else (
+            "selected" if gpu["selected"] else "not selected")
+        where = (f"{gpu['shim']} wrapping {gpu['wraps']}" if gpu["wraps"]
+                 else f"unavailable: {gpu['problem']}")
+        print(f"gpu plugin (PJRT_DEVICE={gpu['pjrt_device']}): {state}; {where}")
     print("targets:")
     for row in report["targets"]:
         where = ", ".join(row["registered_in"]) or "not registered in any runtime"

@@ -3,6 +3,7 @@
 #ifndef XLA_EXT_KERNELS_COMMON_ERRORS_H_
 #define XLA_EXT_KERNELS_COMMON_ERRORS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -58,6 +59,21 @@ inline ffi::Error CheckDType(std::string_view op, std::string_view arg,
   if (buffer.element_type() == dtype) return ffi::Error::Success();
   return ArgumentError(op, arg, std::string("dtype ") + DTypeName(dtype),
                        std::string("dtype ") + DTypeName(buffer.element_type()));
+}
+
+// `buffer` has the shape of `reference`; the message (built only on a mismatch) names both.
+inline ffi::Error CheckSameShape(std::string_view op, std::string_view arg,
+                                 const ffi::AnyBuffer& buffer, std::string_view reference_arg,
+                                 const ffi::AnyBuffer& reference) {
+  const auto dims = buffer.dimensions();
+  const auto want = reference.dimensions();
+  if (dims.size() == want.size() && std::equal(dims.begin(), dims.end(), want.begin())) {
+    return ffi::Error::Success();
+  }
+  return ArgumentError(op, arg,
+                       "shape " + ShapeString(want) + " (the shape of '" +
+                           std::string(reference_arg) + "')",
+                       "shape " + ShapeString(dims));
 }
 
 inline bool IsFloatType(ffi::DataType dtype) {

@@ -105,10 +105,8 @@ inline ffi::Error Check(const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_c
                              std::to_string(shapes.num_heads),
                          std::to_string(shapes.num_kv_heads) + " in shape " + ShapeString(kc));
   }
-  if (ShapeString(value_cache.dimensions()) != ShapeString(kc)) {
-    return ArgumentError(kTarget, "value_cache", "shape " + ShapeString(kc) + " (the key_cache's)",
-                         "shape " + ShapeString(value_cache.dimensions()));
-  }
+  XLA_EXT_RETURN_IF_ERROR(
+      CheckSameShape(kTarget, "value_cache", value_cache, "key_cache", key_cache));
   if (block_tables.dimensions()[0] != shapes.num_seqs) {
     return ArgumentError(kTarget, "block_tables",
                          "num_seqs = " + std::to_string(shapes.num_seqs) + " rows",
@@ -123,11 +121,7 @@ inline ffi::Error Check(const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_c
                          "shape [" + std::to_string(shapes.num_heads) + "] or [0] (no ALiBi)",
                          "shape " + ShapeString(alibi_slopes.dimensions()));
   }
-  if (ShapeString(out.dimensions()) != ShapeString(q)) {
-    return ArgumentError(kTarget, "out", "shape " + ShapeString(q) + " (the query's)",
-                         "shape " + ShapeString(out.dimensions()));
-  }
-  return ffi::Error::Success();
+  return CheckSameShape(kTarget, "out", out, "query", query);
 }
 
 // Both platforms bind the same arguments, result and attributes, after their contexts.

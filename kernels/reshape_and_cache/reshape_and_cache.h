@@ -50,34 +50,23 @@ inline ffi::Error Check(const ffi::AnyBuffer& key, const ffi::AnyBuffer& value,
 
   const auto k = key.dimensions();
   const auto kc = key_cache.dimensions();
-  const std::string key_shape = ShapeString(k);
-  const std::string cache_shape = ShapeString(kc);
-  if (ShapeString(value.dimensions()) != key_shape) {
-    return ArgumentError(kTarget, "value", "shape " + key_shape + " (the key's)",
-                         "shape " + ShapeString(value.dimensions()));
-  }
+  XLA_EXT_RETURN_IF_ERROR(CheckSameShape(kTarget, "value", value, "key", key));
   if (kc[2] != k[1] || kc[3] != k[2]) {
     return ArgumentError(kTarget, "key_cache",
                          "shape [num_blocks, block_size, " + std::to_string(k[1]) + ", " +
                              std::to_string(k[2]) + "] (num_kv_heads, head_size of key)",
-                         "shape " + cache_shape);
+                         "shape " + ShapeString(kc));
   }
-  if (ShapeString(value_cache.dimensions()) != cache_shape) {
-    return ArgumentError(kTarget, "value_cache", "shape " + cache_shape + " (the key_cache's)",
-                         "shape " + ShapeString(value_cache.dimensions()));
-  }
+  XLA_EXT_RETURN_IF_ERROR(
+      CheckSameShape(kTarget, "value_cache", value_cache, "key_cache", key_cache));
   if (slot_mapping.dimensions()[0] != k[0]) {
     return ArgumentError(kTarget, "slot_mapping", "shape [" + std::to_string(k[0]) + "]",
                          "shape " + ShapeString(slot_mapping.dimensions()));
   }
-  if (ShapeString(key_cache_out.dimensions()) != cache_shape) {
-    return ArgumentError(kTarget, "key_cache_out", "shape " + cache_shape,
-                         "shape " + ShapeString(key_cache_out.dimensions()));
-  }
-  if (ShapeString(value_cache_out.dimensions()) != cache_shape) {
-    return ArgumentError(kTarget, "value_cache_out", "shape " + cache_shape,
-                         "shape " + ShapeString(value_cache_out.dimensions()));
-  }
+  XLA_EXT_RETURN_IF_ERROR(
+      CheckSameShape(kTarget, "key_cache_out", key_cache_out, "key_cache", key_cache));
+  XLA_EXT_RETURN_IF_ERROR(
+      CheckSameShape(kTarget, "value_cache_out", value_cache_out, "key_cache", key_cache));
   shapes = Shapes{k[0], kc[0] * kc[1], k[1] * k[2]};
   return ffi::Error::Success();
 }

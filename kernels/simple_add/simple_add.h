@@ -16,15 +16,8 @@ inline ffi::Error Check(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   XLA_EXT_RETURN_IF_ERROR(CheckFloatType(kTarget, "a", a));
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "b", b, a.element_type()));
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "out", out, a.element_type()));
-  const auto a_dims = a.dimensions();
-  const std::string a_shape = "shape " + ShapeString(a_dims) + " (the shape of 'a')";
-  if (ShapeString(b.dimensions()) != ShapeString(a_dims)) {
-    return ArgumentError(kTarget, "b", a_shape, "shape " + ShapeString(b.dimensions()));
-  }
-  if (ShapeString(out.dimensions()) != ShapeString(a_dims)) {
-    return ArgumentError(kTarget, "out", a_shape, "shape " + ShapeString(out.dimensions()));
-  }
-  return ffi::Error::Success();
+  XLA_EXT_RETURN_IF_ERROR(CheckSameShape(kTarget, "b", b, "a", a));
+  return CheckSameShape(kTarget, "out", out, "a", a);
 }
 
 // Both platforms bind the same signature: two inputs, one result.

@@ -9,16 +9,29 @@ import ctypes
 import os
 
 from torch_xla_ext import _kernels
+from torch_xla_ext.errors import TorchXlaExtError
 
 
 class PjrtPluginRuntime:
-    def __init__(self, name, library_path, platform="CUDA"):
+    """`wraps`: for a plugin that wraps another (torch_xla_ext's PJRT shim), the wrapped
+    plugin's path, shown by describe()."""
+
+    def __init__(self, name, library_path, platform="CUDA", wraps=None):
         self.name = name
         self.path = os.path.abspath(library_path)
         self.platform = platform
-        plugin = ctypes.CDLL(self.path)
-        plugin.GetPjrtApi.restype = ctypes.c_void_p
-        self.api = plugin.GetPjrtApi()
+        self.wraps = wraps
+        try:
+            plugin = ctypes.CDLL(self.path)
+            get_api = plugin.GetPjrtApi
+        except (OSError, AttributeError) as e:
+            raise TorchXlaExtError(f"{self.path} is not a loadable PJRT plugin "
+                                   f"(a shared object exporting GetPjrtApi): {e}") from e
+        get_api.restype = ctypes.c_void_p
+        self.api = get_api()
+        if not self.api:
+            raise TorchXlaExtError(f"{self.path}: GetPjrtApi() returned null (the plugin "
+                                   "printed why to stderr)")
         # PJRT_Api: size_t struct_size; void* extension_start;
         #           PJRT_Api_Version {size_t; void*; int major; int minor}; ...
         self.pjrt_version = (ctypes.c_int32.from_address(self.api + 32).value,
@@ -31,9 +44,12 @@ class PjrtPluginRuntime:
         return [(k.target, k.platform) for k in library.kernels if k.platform == self.platform]
 
     def describe(self):
+        kind = f"PJRT plugin {self.path}"
+        if self.wraps:
+            kind += f" wrapping {self.wraps}"
         return {
             "name": self.name,
-            "kind": f"PJRT plugin {self.path}",
+            "kind": kind,
             "version": "PJRT C API %d.%d" % self.pjrt_version,
             "platforms": [self.platform],
         }

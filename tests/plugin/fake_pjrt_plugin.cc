@@ -1,0 +1,169 @@
+// A fake PJRT plugin for CPU-only tests of the PJRT shim: GetPjrtApi returns a PJRT_Api of
+// version 0.FAKE_PJRT_MINOR and of the 0.75 size (960 bytes) whose platform names read "cuda",
+// with an FFI extension (behind another extension) whose register_handler records its calls.
+// Client creation always fails with a message that counts the registrations made before it,
+// so torch_xla's own start-up shows whether they happened in time.
+//
+// The layout is written here from pjrt_c_api.h, apart from the shim's: function slots by
+// their position in PJRT_Api (0 PJRT_Error_Destroy, 1 _Message, 2 _GetCode,
+// 3 PJRT_Plugin_Initialize, 4 _Attributes, 10 PJRT_Client_Create,
+// 12 PJRT_Client_PlatformName, 84 PJRT_TopologyDescription_PlatformName).
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "torch_xla_ext/csrc/pjrt_ffi_extension.h"
+
+struct PjrtError {
+  std::string message;
+  int code;
+};
+
+namespace {
+
+constexpr int kSlots = (960 - 40) / 8;
+constexpr int kErrorDestroy = 0, kErrorMessage = 1, kErrorGetCode = 2, kPluginInitialize = 3,
+              kPluginAttributes = 4, kClientCreate = 10, kClientPlatformName = 12,
+              kTopologyPlatformName = 84;
+
+struct FakeApi {
+  size_t struct_size;
+  PjrtExtensionBase* extension_start;
+  struct {
+    size_t struct_size;
+    void* extension_start;
+    int major_version;
+    int minor_version;
+  } version;
+  void* functions[kSlots];
+};
+static_assert(sizeof(FakeApi) == 960, "PJRT_Api of PJRT C API 0.75");
+
+struct PlatformNameArgs {
+  size_t struct_size;
+  void* extension_start;
+  void* client_or_topology;
+  const char* platform_name;
+  size_t platform_name_size;
+};
+
+struct ErrorGetCodeArgs {
+  size_t struct_size;
+  void* extension_start;
+  const PjrtError* error;
+  int code;
+};
+
+struct PluginAttributesArgs {
+  size_t struct_size;
+  void* extension_start;
+  void* attributes;
+  size_t num_attributes;
+};
+
+struct Registration {
+  std::string target;
+  std::string platform;
+  void* handler;
+  uint32_t traits;
+};
+std::vector<Registration> registrations;
+
+void ErrorDestroy(PjrtErrorDestroyArgs* args) { delete args->error; }
+
+void ErrorMessage(PjrtErrorMessageArgs* args) {
+  args->message = args->error->message.data();
+  args->message_size = args->error->message.size();
+}
+
+PjrtError* ErrorGetCode(ErrorGetCodeArgs* args) {
+  args->code = args->error->code;
+  return nullptr;
+}
+
+PjrtError* PluginInitialize(void*) { return nullptr; }
+
+PjrtError* PluginAttributes(PluginAttributesArgs* args) {
+  args->attributes = nullptr;
+  args->num_attributes = 0;
+  return nullptr;
+}
+
+PjrtError* ClientCreate(void*) {
+  constexpr int kUnimplemented = 12;
+  return new PjrtError{"fake PJRT plugin: no devices; " + std::to_string(registrations.size()) +
+                           " handlers were registered before PJRT_Client_Create",
+                       kUnimplemented};
+}
+
+// "cuda", as jax-cuda12-pjrt's plugin answers; a null client or topology is an error.
+PjrtError* PlatformName(PlatformNameArgs* args) {
+  if (args->client_or_topology == nullptr) {
+    constexpr int kInvalidArgument = 3;
+    return new PjrtError{"fake PJRT plugin: null client", kInvalidArgument};
+  }
+  args->platform_name = "cuda";
+  args->platform_name_size = 4;
+  return nullptr;
+}
+
+PjrtError* RegisterHandler(PjrtFfiRegisterHandlerArgs* args) {
+  registrations.push_back({std::string(args->target_name, args->target_name_size),
+                           std::string(args->platform_name, args->platform_name_size),
+                           args->handler, args->traits});
+  return nullptr;
+}
+
+PjrtFfiExtension ffi_extension = {
+    {sizeof(PjrtFfiExtension), kPjrtExtensionTypeFfi, nullptr}, nullptr, nullptr,
+    RegisterHandler};
+constexpr int32_t kPjrtExtensionTypeGpuCustomCall = 0;
+PjrtExtensionBase other_extension = {sizeof(PjrtExtensionBase), kPjrtExtensionTypeGpuCustomCall,
+                                     &ffi_extension.base};
+
+FakeApi MakeApi() {
+  FakeApi api{};
+  api.struct_size = sizeof(FakeApi);
+  api.extension_start = &other_extension;
+  api.version = {24, nullptr, 0, FAKE_PJRT_MINOR};
+  // Slots nobody calls hold distinct markers, so a test can see each one passed through.
+  for (int i = 0; i < kSlots; ++i) api.functions[i] = reinterpret_cast<void*>(0xFA0000 + i);
+  api.functions[kErrorDestroy] = reinterpret_cast<void*>(ErrorDestroy);
+  api.functions[kErrorMessage] = reinterpret_cast<void*>(ErrorMessage);
+  api.functions[kErrorGetCode] = reinterpret_cast<void*>(ErrorGetCode);
+  api.functions[kPluginInitialize] = reinterpret_cast<void*>(PluginInitialize);
+  api.functions[kPluginAttributes] = reinterpret_cast<void*>(PluginAttributes);
+  api.functions[kClientCreate] = reinterpret_cast<void*>(ClientCreate);
+  api.functions[kClientPlatformName] = reinterpret_cast<void*>(PlatformName);
+  api.functions[kTopologyPlatformName] = reinterpret_cast<void*>(PlatformName);
+  return api;
+}
+
+FakeApi fake_api = MakeApi();
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) const void* GetPjrtApi() { return &fake_api; }
+
+// What register_handler recorded: the number of calls, and call `i`'s fields.
+__attribute__((visibility("default"))) int fake_pjrt_registrations() {
+  return static_cast<int>(registrations.size());
+}
+
+__attribute__((visibility("default"))) int fake_pjrt_registration(int i, char* target,
+                                                                   char* platform,
+                                                                   void** handler,
+                                                                   uint32_t* traits) {
+  if (i < 0 || i >= static_cast<int>(registrations.size())) return -1;
+  std::snprintf(target, 256, "%s", registrations[i].target.c_str());
+  std::snprintf(platform, 256, "%s", registrations[i].platform.c_str());
+  *handler = registrations[i].handler;
+  *traits = registrations[i].traits;
+  return 0;
+}
+
+}  // extern "C"

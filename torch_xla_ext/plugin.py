@@ -1,0 +1,113 @@
+"""torch_xla 2.9 on NVIDIA GPUs: the `torch_xla.plugins` entry point `gpu`, selected with
+PJRT_DEVICE=GPU (install with `pip install 'torch_xla_ext[gpu]'`).
+
+torch_xla loads our PJRT shim (lib/libxla_ext_pjrt_shim.so), which wraps jax-cuda12-pjrt
+0.7.1's CUDA plugin (PJRT C API 0.75, the version torch_xla 2.9 speaks) and presents its
+platform as "gpu": under its own name, "cuda", torch_xla 2.9 aborts ("XLA:CUDA is not
+supported anymore"). Devices are then GPU:0, GPU:1, ... When torch_xla starts the client, our
+CUDA handlers (and those of every library given to load_kernels) are registered into the
+plugin through its FFI extension.
+
+PJRT_DEVICE has no underscore on purpose: torch_xla.runtime.device_type() keeps only the part
+before the first "_", and the plugin registry is looked up with that.
+"""
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import os
+
+from torch_xla.experimental import plugins
+
+from torch_xla_ext import _kernels, binders
+from torch_xla_ext.binders.pjrt_plugin import PjrtPluginRuntime
+from torch_xla_ext.errors import TorchXlaExtError
+
+PJRT_DEVICE = "GPU"  # = the entry point's name, upper-cased by torch_xla
+RUNTIME_NAME = "torch_xla_gpu"
+SHIM_LIBRARY = os.path.join(_kernels.LIB_DIR, "libxla_ext_pjrt_shim.so")
+# Read by the shim: the plugin it wraps. Set here unless the user set it.
+PLUGIN_PATH_VARIABLE = "TORCH_XLA_EXT_PJRT_PLUGIN"
+CUDA_PLUGIN_DIST = "jax-cuda12-pjrt"
+CUDA_PLUGIN_VERSION = "0.7.1"  # its PJRT C API is 0.75, torch_xla 2.9's (0.7.0: 0.73, 0.7.2: 0.76)
+CUDA_PLUGIN_MODULE = "jax_plugins.xla_cuda12"
+CUDA_PLUGIN_LIBRARY = "xla_cuda_plugin.so"
+INSTALL_HINT = (f"pip install 'torch_xla_ext[gpu]' "
+                f"(installs {CUDA_PLUGIN_DIST}=={CUDA_PLUGIN_VERSION})")
+
+
+def cuda_plugin_path():
+    """The PJRT plugin the shim wraps: $TORCH_XLA_EXT_PJRT_PLUGIN if set, else jax-cuda12-pjrt's."""
+    if os.environ.get(PLUGIN_PATH_VARIABLE):
+        return os.environ[PLUGIN_PATH_VARIABLE]
+    try:
+        version = importlib.metadata.version(CUDA_PLUGIN_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise TorchXlaExtError(
+            f"PJRT_DEVICE={PJRT_DEVICE} needs {CUDA_PLUGIN_DIST}=={CUDA_PLUGIN_VERSION}, which is "
+            f"not installed: {INSTALL_HINT}") from None
+    if version != CUDA_PLUGIN_VERSION:
+        raise TorchXlaExtError(
+            f"PJRT_DEVICE={PJRT_DEVICE} needs {CUDA_PLUGIN_DIST}=={CUDA_PLUGIN_VERSION} "
+            f"(PJRT C API 0.75, torch_xla 2.9's), found {version}: {INSTALL_HINT}")
+    spec = importlib.util.find_spec(CUDA_PLUGIN_MODULE)
+    path = os.path.join(spec.submodule_search_locations[0], CUDA_PLUGIN_LIBRARY) if spec else None
+    if path is None or not os.path.exists(path):
+        raise TorchXlaExtError(
+            f"{CUDA_PLUGIN_DIST} {version} is installed but {CUDA_PLUGIN_MODULE}/"
+            f"{CUDA_PLUGIN_LIBRARY} is missing; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def load_shim():
+    """Points the shim at the CUDA plugin and checks it there (loadable, PJRT C API 0.75)
+    before torch_xla loads the shim, whose GetPjrtApi() could only return null. Returns the
+    wrapped plugin's path."""
+    path = cuda_plugin_path()
+    os.environ[PLUGIN_PATH_VARIABLE] = path
+    shim = ctypes.CDLL(SHIM_LIBRARY)
+    shim.xla_ext_pjrt_shim_load.restype = ctypes.c_void_p
+    shim.xla_ext_pjrt_shim_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    err = ctypes.create_string_buffer(2048)
+    if not shim.xla_ext_pjrt_shim_load(err, len(err)):
+        raise TorchXlaExtError(f"PJRT_DEVICE={PJRT_DEVICE}: {err.value.decode()}")
+    return path
+
+
+def register_handlers():
+    """Registers every kernel library's CUDA handlers into the plugin torch_xla loaded."""
+    return binders.add_runtime(PjrtPluginRuntime(RUNTIME_NAME, SHIM_LIBRARY, platform="CUDA",
+                                                 wraps=load_shim()))
+
+
+class CudaPlugin(plugins.DevicePlugin):
+    """One process driving the GPUs the CUDA plugin sees (no xmp.spawn / torchrun topology)."""
+
+    def library_path(self):
+        load_shim()
+        return SHIM_LIBRARY
+
+    def client_create_options(self):
+        # torch_xla calls this after loading and initializing the plugin, before it creates
+        # the client: the first point where handlers can go into the plugin's registry.
+        register_handlers()
+        return {}
+
+    def configure_single_process(self):
+        pass
+
+
+def status():
+    """For doctor: how PJRT_DEVICE=GPU would run, and whether it does in this process."""
+    try:
+        wraps, problem = cuda_plugin_path(), None
+    except TorchXlaExtError as e:
+        wraps, problem = None, str(e)
+    return {
+        "pjrt_device": PJRT_DEVICE,
+        "selected": os.environ.get("PJRT_DEVICE") == PJRT_DEVICE,
+        "shim": SHIM_LIBRARY,
+        "wraps": wraps,
+        "problem": problem,
+        "active": any(runtime.name == RUNTIME_NAME for runtime in binders.runtimes()),
+    }
