@@ -1,8 +1,11 @@
 """Argument checks for our ops, shared by every front end (torch.library, torch_xla, JAX).
 
-They read only `.shape` and `.dtype` (torch, numpy or JAX arrays), so a bad call fails at the
-call site, before anything is traced or executed, with the same message everywhere.
+The shape checks read only `.shape` and `.dtype` (torch, numpy or JAX arrays), so a bad call
+fails at the call site, before anything is traced or executed, with the same message
+everywhere. The value checks take NumPy arrays, where a front end has the values at hand.
 """
+
+import numpy as np
 
 from torch_xla_ext.errors import TorchXlaExtError  # noqa: F401 (re-exported for ops)
 
@@ -30,7 +33,8 @@ def _check_rank(op, arg, x, rank, layout):
 
 def _check_dtype(op, arg, x, allowed):
     if dtype_name(x) not in allowed:
-        _fail(op, arg, "dtype " + " or ".join(allowed), f"dtype {dtype_name(x)}")
+        names = ", ".join(allowed[:-1]) + " or " + allowed[-1] if len(allowed) > 1 else allowed[0]
+        _fail(op, arg, "dtype " + names, f"dtype {dtype_name(x)}")
 
 
 def _check_same(op, arg, x, ref_arg, ref):
@@ -57,18 +61,18 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     if dtype_name(key_cache) != dtype_name(query):
         _fail(op, "key_cache", f"dtype {dtype_name(query)} (the dtype of 'query')",
               f"dtype {dtype_name(key_cache)}")
-    _check_same(op, "value_cache", value_cache, "key_cache", key_cache)
     num_seqs, num_heads, head_size = _shape(query)
     _, block_size, num_kv_heads, cache_head_size = _shape(key_cache)
+    if head_size not in HEAD_SIZES:
+        _fail(op, "query", f"head_size in {list(HEAD_SIZES)}", f"{head_size}")
     if cache_head_size != head_size:
         _fail(op, "key_cache", f"head_size {head_size} in dimension 3 (as 'query')",
               f"{cache_head_size}")
-    if head_size not in HEAD_SIZES:
-        _fail(op, "query", f"head_size in {list(HEAD_SIZES)}", f"{head_size}")
     if block_size not in BLOCK_SIZES:
         _fail(op, "key_cache", f"block_size in {list(BLOCK_SIZES)}", f"{block_size}")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         _fail(op, "key_cache", f"num_kv_heads dividing num_heads={num_heads}", f"{num_kv_heads}")
+    _check_same(op, "value_cache", value_cache, "key_cache", key_cache)
     _check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     _check_dtype(op, "block_tables", block_tables, ("int32",))
     if _shape(block_tables)[0] != num_seqs:
@@ -94,7 +98,6 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     _check_same(op, "value", value, "key", key)
     _check_rank(op, "key_cache", key_cache, 4,
                 "[num_blocks, block_size, num_kv_heads, head_size]")
-    _check_same(op, "value_cache", value_cache, "key_cache", key_cache)
     if dtype_name(key_cache) != dtype_name(key):
         _fail(op, "key_cache", f"dtype {dtype_name(key)} (the dtype of 'key')",
               f"dtype {dtype_name(key_cache)}")
@@ -102,6 +105,34 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     if _shape(key_cache)[2:] != [num_kv_heads, head_size]:
         _fail(op, "key_cache", f"[num_kv_heads, head_size] = {[num_kv_heads, head_size]} in "
               "dimensions 2-3 (as 'key')", f"shape {_shape(key_cache)}")
+    _check_same(op, "value_cache", value_cache, "key_cache", key_cache)
     _check_dtype(op, "slot_mapping", slot_mapping, ("int64",))
     if _shape(slot_mapping) != [num_tokens]:
         _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")
+
+
+def paged_attention_values(seq_lens, block_tables, block_size, num_blocks):
+    """Lengths within the block table, and the block ids they use within the cache."""
+    op = "xla_ext.paged_attention"
+    capacity = block_tables.shape[1] * block_size
+    bad = np.flatnonzero((seq_lens < 0) | (seq_lens > capacity))
+    if bad.size:
+        i = int(bad[0])
+        beyond = " (seq_len beyond the block table)" if seq_lens[i] > capacity else ""
+        _fail(op, "seq_lens", f"0 <= seq_len <= max_blocks_per_seq * block_size = {capacity}",
+              f"seq_lens[{i}] = {seq_lens[i]}{beyond}")
+    used = np.arange(block_tables.shape[1])[None, :] * block_size < seq_lens[:, None]
+    bad = np.argwhere(used & ((block_tables < 0) | (block_tables >= num_blocks)))
+    if bad.size:
+        s, b = map(int, bad[0])
+        _fail(op, "block_tables", f"block ids in [0, num_blocks = {num_blocks})",
+              f"block_tables[{s}][{b}] = {block_tables[s, b]}")
+
+
+def slot_values(slot_mapping, num_slots):
+    """Slots below num_blocks * block_size (negative ones are skipped)."""
+    if slot_mapping.size and slot_mapping.max() >= num_slots:
+        i = int(np.argmax(slot_mapping >= num_slots))
+        _fail("xla_ext.reshape_and_cache", "slot_mapping",
+              f"slots < num_blocks * block_size = {num_slots}",
+              f"slot_mapping[{i}] = {slot_mapping[i]}")

@@ -131,7 +131,7 @@ def test_bad_inputs_raise_clear_errors_and_later_calls_work(xla_device):
               value_cache=inputs["value_cache"][:, :, [0, 1, 0]].contiguous()),
          "argument 'key_cache': expected num_kv_heads dividing num_heads=8, got 3"),
         (dict(query=inputs["query"][:, :, :32].contiguous()),
-         "argument 'key_cache': expected head_size 32 in dimension 3"),
+         r"argument 'query': expected head_size in \[64, 80, 96, 112, 128, 256\], got 32"),
     ]
     for change, message in bad:
         with pytest.raises(TorchXlaExtError, match=message):
