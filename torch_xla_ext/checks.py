@@ -7,7 +7,7 @@ everywhere. The value checks take NumPy arrays, where a front end has the values
 
 import numpy as np
 
-from torch_xla_ext.errors import TorchXlaExtError  # noqa: F401 (re-exported for ops)
+from torch_xla_ext.errors import TorchXlaExtError
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 HEAD_SIZES = (64, 80, 96, 112, 128, 256)

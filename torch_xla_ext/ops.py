@@ -6,6 +6,7 @@ import torch
 
 from torch_xla_ext import checks, eager
 from torch_xla_ext.custom_call import custom_call
+from torch_xla_ext.errors import TorchXlaExtError
 
 SIMPLE_ADD_TARGET = "XlaGpuSimpleAdd"
 PAGED_ATTENTION_TARGET = "xla_ext.paged_attention"
@@ -109,7 +110,7 @@ def _reshape_and_cache_eager(key, value, key_cache, value_cache, slot_mapping):
     checks.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if not cache.is_contiguous():
-            raise checks.TorchXlaExtError(
+            raise TorchXlaExtError(
                 f"xla_ext.reshape_and_cache: argument '{name}': expected a contiguous tensor "
                 "(it is written in place)")
     # The handler writes into its outputs; passing each cache as both input and output is the
