@@ -37,12 +37,16 @@ def _check_dtype(op, arg, x, allowed):
         _fail(op, arg, "dtype " + names, f"dtype {dtype_name(x)}")
 
 
-def _check_same(op, arg, x, ref_arg, ref):
-    if _shape(x) != _shape(ref):
-        _fail(op, arg, f"shape {_shape(ref)} (the shape of '{ref_arg}')", f"shape {_shape(x)}")
+def _check_same_dtype(op, arg, x, ref_arg, ref):
     if dtype_name(x) != dtype_name(ref):
         _fail(op, arg, f"dtype {dtype_name(ref)} (the dtype of '{ref_arg}')",
               f"dtype {dtype_name(x)}")
+
+
+def _check_same(op, arg, x, ref_arg, ref):
+    if _shape(x) != _shape(ref):
+        _fail(op, arg, f"shape {_shape(ref)} (the shape of '{ref_arg}')", f"shape {_shape(x)}")
+    _check_same_dtype(op, arg, x, ref_arg, ref)
 
 
 def simple_add(a, b):
@@ -58,9 +62,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     _check_dtype(op, "query", query, FLOAT_DTYPES)
     _check_rank(op, "key_cache", key_cache, 4,
                 "[num_blocks, block_size, num_kv_heads, head_size]")
-    if dtype_name(key_cache) != dtype_name(query):
-        _fail(op, "key_cache", f"dtype {dtype_name(query)} (the dtype of 'query')",
-              f"dtype {dtype_name(key_cache)}")
+    _check_same_dtype(op, "key_cache", key_cache, "query", query)
     num_seqs, num_heads, head_size = _shape(query)
     _, block_size, num_kv_heads, cache_head_size = _shape(key_cache)
     if head_size not in HEAD_SIZES:
@@ -98,9 +100,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     _check_same(op, "value", value, "key", key)
     _check_rank(op, "key_cache", key_cache, 4,
                 "[num_blocks, block_size, num_kv_heads, head_size]")
-    if dtype_name(key_cache) != dtype_name(key):
-        _fail(op, "key_cache", f"dtype {dtype_name(key)} (the dtype of 'key')",
-              f"dtype {dtype_name(key_cache)}")
+    _check_same_dtype(op, "key_cache", key_cache, "key", key)
     num_tokens, num_kv_heads, head_size = _shape(key)
     if _shape(key_cache)[2:] != [num_kv_heads, head_size]:
         _fail(op, "key_cache", f"[num_kv_heads, head_size] = {[num_kv_heads, head_size]} in "
