@@ -46,3 +46,10 @@ def to_torch(x):
 def assert_close(actual, expected, dtype):
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(to_torch(actual).double(), expected.double(), atol=atol, rtol=rtol)
+
+
+def replace(inputs, index, tensor):
+    """A copy of the list of op inputs with inputs[index] swapped, for the bad-input tests."""
+    inputs = list(inputs)
+    inputs[index] = tensor
+    return inputs

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests import reference
-from tests.kernels.common import DTYPES, PLATFORM, assert_close, to_jax, to_torch
+from tests.kernels.common import DTYPES, PLATFORM, assert_close, replace, to_jax, to_torch
 from torch_xla_ext import jax as xla_ext_jax
 from torch_xla_ext.errors import TorchXlaExtError
 
@@ -117,27 +117,21 @@ def test_random_shapes(seed):
           pick(DTYPES), softcap=pick([0.0, 20.0]), alibi=pick([False, True]), seed=seed)
 
 
-def _replace(inputs, index, tensor):
-    inputs = list(inputs)
-    inputs[index] = tensor
-    return inputs
-
-
 BAD_INPUTS = [
-    ("query", lambda x: _replace(x, 0, x[0].to(torch.int32))),
-    ("query", lambda x: _replace(x, 0, x[0][0])),
-    ("query", lambda x: _replace(x, 0, x[0][..., :48])),  # unsupported head_size
-    ("key_cache", lambda x: _replace(x, 1, x[1].half())),
-    ("key_cache", lambda x: _replace(x, 1, x[1][0])),
-    ("key_cache", lambda x: _replace(x, 1, x[1][:, :4])),  # unsupported block_size
-    ("key_cache", lambda x: _replace(x, 1, x[1][:, :, :, :32])),  # head_size != query's
-    ("key_cache", lambda x: _replace(x, 1, x[1].repeat(1, 1, 2, 1)[:, :, :3])),  # 4 % 3 != 0
-    ("value_cache", lambda x: _replace(x, 2, x[2][:1])),
-    ("value_cache", lambda x: _replace(x, 2, x[2].double())),
-    ("block_tables", lambda x: _replace(x, 3, x[3].long())),
-    ("block_tables", lambda x: _replace(x, 3, x[3][:1])),
-    ("seq_lens", lambda x: _replace(x, 4, x[4].long())),
-    ("seq_lens", lambda x: _replace(x, 4, x[4][:1])),
+    ("query", lambda x: replace(x, 0, x[0].to(torch.int32))),
+    ("query", lambda x: replace(x, 0, x[0][0])),
+    ("query", lambda x: replace(x, 0, x[0][..., :48])),  # unsupported head_size
+    ("key_cache", lambda x: replace(x, 1, x[1].half())),
+    ("key_cache", lambda x: replace(x, 1, x[1][0])),
+    ("key_cache", lambda x: replace(x, 1, x[1][:, :4])),  # unsupported block_size
+    ("key_cache", lambda x: replace(x, 1, x[1][:, :, :, :32])),  # head_size != query's
+    ("key_cache", lambda x: replace(x, 1, x[1].repeat(1, 1, 2, 1)[:, :, :3])),  # 4 % 3 != 0
+    ("value_cache", lambda x: replace(x, 2, x[2][:1])),
+    ("value_cache", lambda x: replace(x, 2, x[2].double())),
+    ("block_tables", lambda x: replace(x, 3, x[3].long())),
+    ("block_tables", lambda x: replace(x, 3, x[3][:1])),
+    ("seq_lens", lambda x: replace(x, 4, x[4].long())),
+    ("seq_lens", lambda x: replace(x, 4, x[4][:1])),
 ]
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests import reference
-from tests.kernels.common import DTYPES, PLATFORM, to_jax, to_torch
+from tests.kernels.common import DTYPES, PLATFORM, replace, to_jax, to_torch
 from torch_xla_ext import jax as xla_ext_jax
 from torch_xla_ext.errors import TorchXlaExtError
 
@@ -82,22 +82,16 @@ def test_slot_out_of_range():
         assert torch.equal(key_cache, reference.reshape_and_cache_ref(*skipped)[0])
 
 
-def _replace(inputs, index, tensor):
-    inputs = list(inputs)
-    inputs[index] = tensor
-    return inputs
-
-
 BAD_INPUTS = [
-    ("key", lambda x: _replace(x, 0, x[0].to(torch.int32))),
-    ("key", lambda x: _replace(x, 0, x[0][0])),
-    ("value", lambda x: _replace(x, 1, x[1].half())),
-    ("value", lambda x: _replace(x, 1, x[1][:2])),
-    ("key_cache", lambda x: _replace(x, 2, x[2][..., :32])),
-    ("key_cache", lambda x: _replace(x, 2, x[2].half())),
-    ("value_cache", lambda x: _replace(x, 3, x[3][:1])),
-    ("slot_mapping", lambda x: _replace(x, 4, x[4].int())),
-    ("slot_mapping", lambda x: _replace(x, 4, x[4][:2])),
+    ("key", lambda x: replace(x, 0, x[0].to(torch.int32))),
+    ("key", lambda x: replace(x, 0, x[0][0])),
+    ("value", lambda x: replace(x, 1, x[1].half())),
+    ("value", lambda x: replace(x, 1, x[1][:2])),
+    ("key_cache", lambda x: replace(x, 2, x[2][..., :32])),
+    ("key_cache", lambda x: replace(x, 2, x[2].half())),
+    ("value_cache", lambda x: replace(x, 3, x[3][:1])),
+    ("slot_mapping", lambda x: replace(x, 4, x[4].int())),
+    ("slot_mapping", lambda x: replace(x, 4, x[4][:2])),
 ]
 
 
