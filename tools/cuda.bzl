@@ -41,6 +41,8 @@ def _cuda_library_impl(ctx):
                 "-O3",
                 "-Xcompiler=-fPIC,-fvisibility=hidden",
                 "--expt-relaxed-constexpr",
+                "--threads",  # the -gencode targets compile in parallel
+                "0",
                 "-I",
                 ".",
                 "-I",

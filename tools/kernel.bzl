@@ -4,7 +4,7 @@ checks both platforms use, the Host handler and the CUDA handler."""
 load("//tools:cuda.bzl", "cuda_library")
 
 def xla_ext_kernel(op):
-    """Defines :<op>_h (<op>.h), :host (<op>_host.cc) and :cuda (<op>_cuda.cu)."""
+    """Defines :<op>_h (<op>.h), :host (<op>_host.cc) and :cuda (<op>_cuda.cu + *.cuh)."""
     native.cc_library(
         name = op + "_h",
         hdrs = [op + ".h"],
@@ -24,6 +24,8 @@ def xla_ext_kernel(op):
     cuda_library(
         name = "cuda",
         srcs = [op + "_cuda.cu"],
+        # Device code the handler is split into (kernels, their shared parts).
+        hdrs = native.glob(["*.cuh"]),
         deps = [
             ":" + op + "_h",
             "//kernels/common:cuda_utils",

@@ -7,8 +7,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -47,6 +50,44 @@ auto DispatchFloat(::xla::ffi::DataType dtype, Fn&& fn) {
 }
 
 inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Whether the current device takes programmatic dependent launches (Hopper and newer); cached
+// per device, as the handlers ask at every call.
+inline bool ProgrammaticLaunchSupported() {
+  static std::atomic<int8_t> known[64];  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  if (const int8_t answer = known[device].load(std::memory_order_relaxed); answer != 0) {
+    return answer == 2;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    return false;
+  }
+  known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
+  return major >= 9;
+}
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), as a programmatic dependent launch
+// where the device supports it: the kernel may start while the previous kernel on the stream
+// drains, hiding launch latency, so it must wait (sm90::WaitForPrerequisiteGrid) before it
+// touches memory; launch errors surface through LastLaunchError.
+template <typename... Params, typename... Args>
+void LaunchProgrammatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                        cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  const bool programmatic = ProgrammaticLaunchSupported();
+  config.attrs = programmatic ? &attribute : nullptr;
+  config.numAttrs = programmatic ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 }  // namespace xla_ext::cuda
 

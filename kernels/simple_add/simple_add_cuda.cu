@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/sm90.cuh"
 #include "kernels/simple_add/simple_add.h"
 #include "xla_ext/registry.h"
 
@@ -13,6 +14,8 @@ namespace {
 template <typename T>
 __global__ void AddKernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
                           int64_t n, bool aligned) {
+  cuda::sm90::WaitForPrerequisiteGrid();  // launched programmatically (see SimpleAddCuda)
+  cuda::sm90::LaunchDependents();
   constexpr int kVec = 16 / sizeof(T);
   const int64_t num_vecs = aligned ? n / kVec : 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -48,13 +51,17 @@ ffi::Error SimpleAddCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          reinterpret_cast<uintptr_t>(out->untyped_data())) % 16) == 0;
   cuda::DispatchFloat(a.element_type(), [&](auto zero) {
     using T = decltype(zero);
-    const int64_t work = aligned ? n / (16 / sizeof(T)) + (16 / sizeof(T)) : n;
+    // Threads with a vector, or the scalar tail's first elements, whichever is more.
+    constexpr int64_t kVec = 16 / sizeof(T);
+    const int64_t work = aligned ? std::max(n / kVec, n % kVec) : n;
     // The grid-stride loop covers whatever a capped grid leaves.
     const int blocks = std::min(cuda::CeilDiv(work, kThreads), 1 << 20);
-    AddKernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(a.untyped_data()),
-                                                  static_cast<const T*>(b.untyped_data()),
-                                                  static_cast<T*>(out->untyped_data()), n,
-                                                  aligned);
+    // A programmatic dependent launch: on Hopper, the kernel's launch overlaps the previous
+    // kernel's tail, which for small tensors is most of the op's time.
+    cuda::LaunchProgrammatic(AddKernel<T>, dim3(blocks), dim3(kThreads), 0, stream,
+                             static_cast<const T*>(a.untyped_data()),
+                             static_cast<const T*>(b.untyped_data()),
+                             static_cast<T*>(out->untyped_data()), n, aligned);
     return 0;
   });
   return cuda::LastLaunchError(kTarget);

@@ -80,8 +80,9 @@ def test_gqa_ratios(num_heads, num_kv_heads):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_long_sequences_split_into_partitions(dtype):
-    # On CUDA a partition is 512 tokens: lengths below, at and past partition edges, and the
-    # block table's maximum (1312 tokens).
+    # On CUDA long sequences are split into partitions (512 tokens on the CUDA-core kernel; on
+    # the tensor-core kernel 64 here, enough for one CTA per SM): lengths below, at and past
+    # partition edges, and the block table's maximum (1312 tokens).
     check([1312, 511, 512, 513, 1025, 3], 8, 2, 128, 16, dtype, max_blocks_per_seq=82)
 
 
