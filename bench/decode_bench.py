@@ -14,7 +14,8 @@ bytes that must move, and % of the device-to-device copy bandwidth measured in t
 Timing: JAX functions are jitted chains of CHAIN calls, each behind an optimization_barrier
 over all its inputs, so XLA can neither fuse the steps nor hoist work that does not depend on
 the previous step (the gather of the cache, say) out of the chain; timed by wall clock around
-block_until_ready. torch functions are CHAIN back-to-back launches timed with CUDA events.
+block_until_ready, as the difference between chains of 2*CHAIN and CHAIN calls (see
+jax_seconds). torch functions are CHAIN back-to-back launches timed with CUDA events.
 Per call = median over reps / CHAIN.
 """
 
@@ -34,19 +35,28 @@ import torch  # noqa: E402
 from torch_xla_ext import jax as xla_ext_jax  # noqa: E402
 
 CHAIN = 20
+DISPATCH_CHAIN = 500
 ONLY = None  # --only: the one impl to measure
 H, KVH, D = 32, 8, 128
 SHAPES = [(32, 4096, 16), (8, 16384, 16), (64, 1024, 16), (1, 32768, 16), (32, 4096, 32)]
 
 
-def jax_seconds(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile, warm up
-    times = []
+def jax_seconds(chain, args, reps, length=CHAIN):
+    """Seconds of one call inside a compiled graph. chain(n) is a jitted chain of n calls; the
+    result is the median time of chain(2 * length) minus the median of chain(length), over
+    length (the two timed alternately). The difference cancels what running an executable
+    costs once (launch, and waiting for it: about 20 us per call of a 20-call chain on the
+    H100), which a model's decode step, with all its layers in one executable, pays once too."""
+    fns = {n: chain(n) for n in (length, 2 * length)}
+    times = {n: [] for n in fns}
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))  # compile, warm up
     for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / CHAIN
+        for n, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[n].append(time.perf_counter() - start)
+    return (statistics.median(times[2 * length]) - statistics.median(times[length])) / length
 
 
 def torch_seconds(fn, reps):
@@ -119,13 +129,15 @@ def paged_attention_rows(batch, seq_len, block_size, reps, copy):
     args = (j["query"], j["key_cache"], j["value_cache"], j["block_tables"], j["seq_lens"])
 
     def chained(attention):
-        @jax.jit
-        def run(*state):
-            for _ in range(CHAIN):
-                state = jax.lax.optimization_barrier(state)
-                state = (attention(*state, scale),) + state[1:]
-            return state[0]
-        return run
+        def chain(length):
+            @jax.jit
+            def run(*state):
+                for _ in range(length):
+                    state = jax.lax.optimization_barrier(state)
+                    state = (attention(*state, scale),) + state[1:]
+                return state[0]
+            return run
+        return chain
 
     ours = chained(lambda *a: xla_ext_jax.paged_attention(*a[:5], scale=a[5]))
     gather = chained(xla_gather_attention)
@@ -168,25 +180,29 @@ def paged_attention_rows(batch, seq_len, block_size, reps, copy):
     return rows
 
 
+def add_chain(add):
+    """chain(length): a jitted chain of `length` calls add(a, b), each behind a barrier."""
+    def chain(length):
+        @jax.jit
+        def run(a, b):
+            for _ in range(length):
+                a, b = jax.lax.optimization_barrier((a, b))
+                a = add(a, b)
+            return a
+        return run
+    return chain
+
+
 def simple_add_rows(reps, copy):
     rows = []
     n = (1 << 30) // 4  # 1 GiB of f32 per operand
     a = jnp.ones((n,), jnp.float32)
     b = jnp.full((n,), 0.5, jnp.float32)
 
-    def chained(add):
-        @jax.jit
-        def run(a, b):
-            for _ in range(CHAIN):
-                a, b = jax.lax.optimization_barrier((a, b))
-                a = add(a, b)
-            return a
-        return run
-
     adds = [(impl, add) for impl, add in (("xla_ext", xla_ext_jax.simple_add),
                                           ("xla_native", jnp.add)) if wanted(impl)]
     for impl, add in adds:
-        rows.append(row("simple_add", "f32,1GiB", impl, jax_seconds(chained(add), (a, b), reps),
+        rows.append(row("simple_add", "f32,1GiB", impl, jax_seconds(add_chain(add), (a, b), reps),
                         3 * 4 * n, copy))
     del a, b
 
@@ -194,7 +210,10 @@ def simple_add_rows(reps, copy):
     a = jnp.ones((small,), jnp.float32)
     b = jnp.full((small,), 0.5, jnp.float32)
     for impl, add in adds:
-        rows.append(row("dispatch", "f32,4KiB", impl, jax_seconds(chained(add), (a, b), reps * 10),
+        # A call costs about a microsecond: long chains, so that the difference of two chains
+        # stands well above the run-to-run jitter of an executable's launch.
+        rows.append(row("dispatch", "f32,4KiB", impl,
+                        jax_seconds(add_chain(add), (a, b), reps, length=DISPATCH_CHAIN),
                         3 * 4 * small, copy))
     return rows
 
@@ -219,7 +238,10 @@ def main():
     result = {
         "device": torch.cuda.get_device_name(),
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
-        "method": f"median of {args.reps} reps of {CHAIN} chained calls; see bench/decode_bench.py",
+        "method": (f"JAX: (median of {args.reps} reps of a {2 * CHAIN}-call chain - median of "
+                   f"a {CHAIN}-call chain) / {CHAIN} ({DISPATCH_CHAIN} and "
+                   f"{2 * DISPATCH_CHAIN} calls for dispatch); torch: median of {args.reps} reps "
+                   f"of {CHAIN} calls / {CHAIN}; see bench/decode_bench.py"),
         "copy_gbps": round(copy, 1),
         "rows": rows,
     }

@@ -1,5 +1,5 @@
 """Launches the CUDA paged-attention handler at B=32, L=4096 (bf16, H=32, KVH=8, D=128,
-block 16) through torch, for a profiler: `ncu --kernel-name regex:AttendPartition
+block 16) through torch, for a profiler: `ncu --kernel-name regex:AttendTensorCore
 --launch-skip 2 --launch-count 1 python3 bench/profile_paged_attention.py`."""
 
 import torch

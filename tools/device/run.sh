@@ -4,7 +4,8 @@
 #   handlers through JAX's XLA GPU, through torchax, through torch on CUDA tensors), the
 #   compute-sanitizer memcheck and racecheck runs, the registration of our CUDA handlers into
 #   JAX's CUDA PJRT plugin by our own path, the benchmark, and an ncu profile of paged attention.
-# Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt and <gpu>-ncu.txt to $OUT
+# Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt, <gpu>-dispatch-command-buffers.txt and
+# <gpu>-ncu.txt to $OUT
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
@@ -34,6 +35,10 @@ if [[ $PHASE != bench ]]; then
 step "CUDA handlers through JAX on the GPU, torchax on the GPU, torch on CUDA tensors"
 XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   tests/kernels 2>&1 | tail -3 | tee -a "$TESTS" || status=1
+# The same paged-attention cases on the CUDA-core kernel (what f32 and pre-Hopper GPUs run).
+XLA_EXT_PAGED_ATTENTION_KERNEL=simt XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider \
+  -W ignore::DeprecationWarning tests/kernels/test_paged_attention.py 2>&1 | tail -1 | \
+  sed 's/^/CUDA-core kernel: /' | tee -a "$TESTS" || status=1
 XLA_EXT_TEST_PLATFORM=gpu python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   tests/frontends/torchax_test.py 2>&1 | tail -3 | tee -a "$TESTS" || status=1
 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py \
@@ -59,10 +64,13 @@ fi
 step "benchmark: bench/decode_bench.py"
 python3 bench/decode_bench.py --out "$OUT/$GPU.json" > /tmp/bench.txt 2>&1 || { status=1; tail -20 /tmp/bench.txt | tee -a "$TESTS"; }
 
+step "per-op cost with and without XLA command buffers: bench/dispatch_command_buffers.py"
+python3 bench/dispatch_command_buffers.py 2>&1 | grep "us per call" > "$OUT/$GPU-dispatch-command-buffers.txt" || status=1
+
 if command -v ncu > /dev/null; then
   step "ncu: paged_attention B=32,L=4096"
   # Through torch: the same CUDA handler, in a process ncu profiles cleanly.
-  ncu --kernel-name regex:AttendPartition --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+  ncu --kernel-name regex:AttendTensorCore --launch-skip 2 --launch-count 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
     --section SchedulerStats python3 bench/profile_paged_attention.py \
     > "$OUT/$GPU-ncu.txt" 2>&1 || echo "ncu failed (see $GPU-ncu.txt)" | tee -a "$TESTS"

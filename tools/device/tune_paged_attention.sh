@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds the kernels once per setting of the XLA_EXT_PAGED_ATTENTION_*
-# knobs of kernels/paged_attention/paged_attention_cuda.cu (sm_90a only, to build fast) and
+# knobs of kernels/paged_attention/ (sm_90a only, to build fast) and
 # times paged_attention through XLA GPU for each. One JSON line per setting in $OUT/tune.jsonl.
 #
-#   SETTINGS="PARTITION=512,UNROLL=4 PARTITION=256,MIN_CTAS_PER_SM=0" tools/device/tune_paged_attention.sh
+#   SETTINGS="KV_HEADS_PER_CTA=8,L2_PREFETCH_STAGES=1 KV_HEADS_PER_CTA=4,SHARED_KB=100" \
+#     tools/device/tune_paged_attention.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/xla_ext_out}"
