@@ -66,7 +66,8 @@ __device__ __forceinline__ float Logit(const Params& p, float dot, int head, int
 constexpr int kCombineWarps = 8;
 constexpr int kCombineColumns = 32;  // output columns per CTA: one per lane
 
-// Sum of `value` over the CTA (kCombineWarps warps); `scratch` holds kCombineWarps floats.
+// `value` reduced with `op` over the CTA (kCombineWarps warps), in every thread; `scratch`
+// holds kCombineWarps floats.
 template <typename Op>
 __device__ __forceinline__ float CtaReduce(float value, float* scratch, Op op) {
 #pragma unroll
