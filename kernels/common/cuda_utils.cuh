@@ -7,8 +7,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -51,21 +52,41 @@ auto DispatchFloat(::xla::ffi::DataType dtype, Fn&& fn) {
 
 inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-// Whether the current device takes programmatic dependent launches (Hopper and newer); cached
-// per device, as the handlers ask at every call.
-inline bool ProgrammaticLaunchSupported() {
-  static std::atomic<int8_t> known[64];  // 0: not asked yet, 1: no, 2: yes
+// The current device's fixed properties the handlers plan with, asked of the runtime once
+// per device (handlers run at every call); nullopt if the runtime cannot say.
+struct DeviceInfo {
+  int id = 0;
+  int sms = 0;
+  int major = 0;              // compute capability
+  int max_shared_bytes = 0;  // per CTA, opted in
+};
+
+inline std::optional<DeviceInfo> CurrentDeviceInfo() {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag asked[kMaxDevices];
+  static std::optional<DeviceInfo> answers[kMaxDevices];
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
-  if (const int8_t answer = known[device].load(std::memory_order_relaxed); answer != 0) {
-    return answer == 2;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    return std::nullopt;
   }
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    return false;
-  }
-  known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  return major >= 9;
+  std::call_once(asked[device], [device] {
+    DeviceInfo d;
+    d.id = device;
+    if (cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device) ==
+            cudaSuccess &&
+        cudaDeviceGetAttribute(&d.max_shared_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                               device) == cudaSuccess) {
+      answers[device] = d;
+    }
+  });
+  return answers[device];
+}
+
+// Whether the current device takes programmatic dependent launches (Hopper and newer).
+inline bool ProgrammaticLaunchSupported() {
+  const std::optional<DeviceInfo> device = CurrentDeviceInfo();
+  return device.has_value() && device->major >= 9;
 }
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), as a programmatic dependent launch

@@ -43,11 +43,12 @@ constexpr int kHeaderBytes = kMaxStages * (2 * sizeof(uint64_t) + sizeof(uint32_
 static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 
 struct Layout {
+  static constexpr int kRowPadding = 16;  // bytes
   int row_stride;   // bytes of one token's rows in shared memory, padded
   int stage_bytes;  // K rows then V rows of kStageTokens tokens
 
   static Layout For(int kv_heads_per_cta, int head_size, int element_size) {
-    const int row_stride = kv_heads_per_cta * head_size * element_size + 16;
+    const int row_stride = kv_heads_per_cta * head_size * element_size + kRowPadding;
     return {row_stride, 2 * kStageTokens * row_stride};
   }
 };
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
     // block-table entry of the next stage is loaded before waiting for its buffer.
     const int index = lane % kStageTokens;
     const bool value = lane >= kStageTokens;
-    const uint32_t row_bytes = layout.row_stride - 16;
+    const uint32_t row_bytes = layout.row_stride - Layout::kRowPadding;
     const T* cache = static_cast<const T*>(value ? p.value_cache : p.key_cache);
     const auto row_offset = [&](int iter) -> int64_t {
       const int t = start + iter * kStageTokens + index;

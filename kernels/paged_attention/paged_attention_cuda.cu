@@ -47,29 +47,10 @@ bool ForceSimt() {
   return force;
 }
 
-struct Device {
-  int id = 0;
-  int sms = 0;
-  int major = 0;
-  int max_shared_bytes = 0;  // per CTA, opted in
-};
-
-std::optional<Device> CurrentDevice() {
-  Device d;
-  if (cudaGetDevice(&d.id) != cudaSuccess ||
-      cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.id) != cudaSuccess ||
-      cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, d.id) != cudaSuccess ||
-      cudaDeviceGetAttribute(&d.max_shared_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                             d.id) != cudaSuccess) {
-    return std::nullopt;
-  }
-  return d;
-}
-
 // CTAs of `kernel` an SM holds with `shared_bytes` of dynamic shared memory. The first call per
 // (kernel, device) also opts the kernel in to the device's largest shared memory. Answers are
 // kept: these driver calls cost microseconds, and a decode step calls us once per layer.
-int CtasPerSm(const void* kernel, const Device& device, int threads, int shared_bytes) {
+int CtasPerSm(const void* kernel, const cuda::DeviceInfo& device, int threads, int shared_bytes) {
   static std::mutex mu;
   static std::map<std::tuple<const void*, int, int, int>, int> answers;
   std::lock_guard<std::mutex> lock(mu);
@@ -101,7 +82,7 @@ struct Plan {
 // such that the grid fills every CTA slot of the GPU once (each CTA keeps several stages in
 // flight, so one wave streams at full bandwidth, and a single wave has no tail).
 template <typename T, int kHeadSize, bool kHighRows>
-std::optional<Plan> TensorCorePlanFor(const Shapes& s, const Device& device, int kv_heads) {
+std::optional<Plan> TensorCorePlanFor(const Shapes& s, const cuda::DeviceInfo& device, int kv_heads) {
   Plan plan;
   plan.tensor_core = true;
   plan.kv_heads_per_cta = kv_heads;
@@ -136,7 +117,7 @@ std::optional<Plan> TensorCorePlanFor(const Shapes& s, const Device& device, int
 // without splitting sequences, that wins: no partials, no combine kernel (measured on an
 // H100 at B=64, L=1024: 100 us against 112 us).
 template <typename T, int kHeadSize, bool kHighRows>
-std::optional<Plan> TensorCorePlan(const Shapes& s, const Device& device) {
+std::optional<Plan> TensorCorePlan(const Shapes& s, const cuda::DeviceInfo& device) {
   int kv_heads = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
   while (kv_heads > 1 && s.num_kv_heads % kv_heads != 0) kv_heads /= 2;
   std::optional<Plan> plan = TensorCorePlanFor<T, kHeadSize, kHighRows>(s, device, kv_heads);
@@ -171,7 +152,7 @@ void LaunchTensorCore(const Params& p, const Plan& plan, const Shapes& s, cudaSt
 // The plan and the launches for one element type and head size.
 template <typename T, int kHeadSize>
 struct Kernels {
-  static Plan MakePlan(const Shapes& s, const std::optional<Device>& device) {
+  static Plan MakePlan(const Shapes& s, const std::optional<cuda::DeviceInfo>& device) {
     if constexpr (!std::is_same_v<T, float>) {
       if (!ForceSimt() && device.has_value() && device->major >= 9 &&
           s.group_size() <= tensor_core::kMaxGroupSize && s.num_seqs <= INT32_MAX) {
@@ -242,7 +223,7 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                          "a misaligned buffer");
   }
 
-  const std::optional<Device> device = CurrentDevice();
+  const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo();
   const Plan plan = DispatchKernels(
       query.element_type(), s.head_size, [&](auto kernels) { return kernels.MakePlan(s, device); });
   // The combine kernel keeps one weight per partition in shared memory.
