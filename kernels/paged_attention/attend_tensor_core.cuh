@@ -91,8 +91,16 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
   // memory only after it has finished.
   sm90::WaitForPrerequisiteGrid();
 
-  const int seq_len = SeqLen(p, seq);
   const int start = partition * p.partition_len;
+  const int32_t* blocks = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+  // The producer loads its first stage's block ids beside the sequence length: one memory
+  // round trip before the first copies, not two. Entries below the capacity are readable.
+  const int first_token = start + lane % kStageTokens;
+  const int first_block =
+      warp == kv_heads_per_cta && first_token < p.max_blocks_per_seq << p.log2_block_size
+          ? blocks[first_token >> p.log2_block_size]
+          : -1;
+  const int seq_len = SeqLen(p, seq);
   const int end = min(start + p.partition_len, seq_len);
   const bool direct = p.num_partitions == 1;
   T* out = static_cast<T*>(p.out);
@@ -109,7 +117,6 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
     return;
   }
 
-  const int32_t* blocks = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   const int num_iters = (end - start + kStageTokens - 1) / kStageTokens;
 
   if (warp == kv_heads_per_cta) {
@@ -127,7 +134,8 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
     // large L2 prefetch per run, a stage ahead, turns the stage's row copies into L2 hits.
     const int prefetch_run =
         kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
-    int64_t offset = row_offset(0);
+    int64_t offset =
+        first_token < end ? RowOffset(p, first_block, first_token, first_kv_head, kHeadSize) : -1;
     for (int iter = 0; iter < num_iters; ++iter) {
       const int slot = iter % num_stages;
       const int64_t next = iter + 1 < num_iters ? row_offset(iter + 1) : -1;

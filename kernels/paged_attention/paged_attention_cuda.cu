@@ -180,11 +180,12 @@ struct Kernels {
     }
     if (p.num_partitions > 1) {
       // Launches while the attention kernel drains (it waits for it on the GPU).
+      const int warps_per_row =
+          CombineWarpsPerRow(p.num_partitions, CombineChunk<kHeadSize>());
+      const int64_t rows = s.num_seqs * s.num_heads;
       cuda::LaunchProgrammatic(CombinePartitionsKernel<T, kHeadSize>,
-                               dim3(static_cast<unsigned>(s.num_seqs * s.num_heads), 1,
-                                    cuda::CeilDiv(kHeadSize, kCombineColumns)),
-                               dim3(kCombineWarps * 32), p.num_partitions * sizeof(float), stream,
-                               p);
+                               dim3(cuda::CeilDiv(rows, kCombineWarps / warps_per_row)),
+                               dim3(kCombineWarps * 32), 0, stream, p, warps_per_row, rows);
     }
   }
 };
@@ -226,12 +227,8 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo();
   const Plan plan = DispatchKernels(
       query.element_type(), s.head_size, [&](auto kernels) { return kernels.MakePlan(s, device); });
-  // The combine kernel keeps one weight per partition in shared memory.
-  if (plan.num_partitions * static_cast<int64_t>(sizeof(float)) > 48 * 1024 ||
-      s.num_seqs * plan.num_partitions > INT32_MAX) {
-    return ArgumentError(kTarget, "block_tables",
-                         "at most " + std::to_string(12 * 1024 * plan.partition_len) +
-                             " tokens per sequence and num_seqs * partitions < 2^31",
+  if (s.num_seqs * plan.num_partitions > INT32_MAX) {  // grid dimensions
+    return ArgumentError(kTarget, "block_tables", "num_seqs * partitions < 2^31",
                          "shape " + ShapeString(block_tables.dimensions()));
   }
 

@@ -43,14 +43,18 @@ __device__ __forceinline__ int SeqLen(const Params& p, int seq) {
 }
 
 // Element offset of token t's row for kv_head (the rows of the following kv heads come right
-// after it), or -1 when its block id is outside the cache.
-__device__ __forceinline__ int64_t RowOffset(const Params& p, const int32_t* blocks, int t,
-                                             int kv_head, int head_size) {
-  const int block = blocks[t >> p.log2_block_size];
+// after it), where `block` is its block id from the table; -1 when that is outside the cache.
+__device__ __forceinline__ int64_t RowOffset(const Params& p, int block, int t, int kv_head,
+                                             int head_size) {
   if (block < 0 || block >= p.num_blocks) return -1;
   const int64_t slot =
       (static_cast<int64_t>(block) << p.log2_block_size) + (t & ((1 << p.log2_block_size) - 1));
   return (slot * p.num_kv_heads + kv_head) * head_size;
+}
+
+__device__ __forceinline__ int64_t RowOffset(const Params& p, const int32_t* blocks, int t,
+                                             int kv_head, int head_size) {
+  return RowOffset(p, blocks[t >> p.log2_block_size], t, kv_head, head_size);
 }
 
 // The logit of query head `head` for token t: scaled, soft-capped, with the ALiBi bias.
@@ -63,101 +67,136 @@ __device__ __forceinline__ float Logit(const Params& p, float dot, int head, int
   return logit;
 }
 
-constexpr int kCombineWarps = 8;
-constexpr int kCombineColumns = 32;  // output columns per CTA: one per lane
+constexpr int kCombineWarps = 8;  // per CTA
 
-// `value` reduced with `op` over the CTA (kCombineWarps warps), in every thread; `scratch`
-// holds kCombineWarps floats.
+// Partitions a combine warp loads at once: float4 registers per lane, kept at 16 per column.
+template <int kHeadSize>
+constexpr int CombineChunk() {
+  return kHeadSize > 128 ? 8 : 16;
+}
+
+// Warps that merge one (seq, head) row: enough that each loads its partitions in one chunk,
+// at most a CTA's. The rest of a CTA's warps take further rows.
+inline int CombineWarpsPerRow(int num_partitions, int chunk) {
+  int warps = 1;
+  while (warps < kCombineWarps && warps * chunk < num_partitions) warps *= 2;
+  return warps;
+}
+
 template <typename Op>
-__device__ __forceinline__ float CtaReduce(float value, float* scratch, Op op) {
+__device__ __forceinline__ float WarpReduce(float value, Op op) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
   }
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = value;
-  __syncthreads();
-  value = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kCombineWarps; ++w) value = op(value, scratch[w]);
-  __syncthreads();  // scratch is reused
   return value;
 }
 
-// One CTA per (seq, head, kCombineColumns output columns): rescales each used partition's
-// result to the global max and normalises by the total sum. Short dependency chains, as a
-// long sequence on few heads has hundreds of partitions and few CTAs: every thread loads
-// some partitions' (max, sum) at once, and warp w sums partitions w, w + kCombineWarps, ...
-// of its lane's column; the warps' sums meet in shared memory. It runs in a few microseconds
-// after the attention kernel, so its memory round trips, not its bytes, set its time.
-// Dynamic shared memory: num_partitions weights.
+// Merges each (seq, head) row's partitions: out = sum_i w_i o_i / sum_i w_i l_i, where
+// w_i = exp(m_i - m) and (m_i, l_i, o_i) are partition i's max, sum and unnormalised output.
+// It runs after the attention kernel, where its memory round trips, not its bytes, set its
+// time: a warp issues all loads of a chunk of partitions (lane c holds columns 4c..4c+3, as
+// float4) together with the chunk's statistics, then merges the chunk online. A row's warps
+// (CombineWarpsPerRow) take interleaved chunks and meet in shared memory; with few partitions
+// a warp has a row to itself and the CTA serves kCombineWarps rows.
 template <typename T, int kHeadSize>
-__global__ void __launch_bounds__(kCombineWarps * 32) CombinePartitionsKernel(Params p) {
-  extern __shared__ float weights[];
-  __shared__ float reduce_scratch[kCombineWarps];
-  __shared__ float warp_sums[kCombineWarps][kCombineColumns];
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    CombinePartitionsKernel(Params p, int warps_per_row, int64_t rows) {
+  constexpr int kVecs = (kHeadSize + 127) / 128;  // float4 columns per lane
+  constexpr int kChunk = CombineChunk<kHeadSize>();
+  __shared__ float4 warp_acc[kCombineWarps][kVecs * 32];
+  __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
   cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
   cuda::sm90::LaunchDependents();
-  const int64_t seq_head = blockIdx.x;  // seq * num_heads + head
-  const int seq = static_cast<int>(seq_head / p.num_heads);
-  const int column = blockIdx.z * kCombineColumns + threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int used = (SeqLen(p, seq) + p.partition_len - 1) / p.partition_len;
-  const float* maxes = p.partial_max + seq_head * p.num_partitions;
-  const float* sums = p.partial_sum + seq_head * p.num_partitions;
-  const float* partial = p.partial_out + seq_head * p.num_partitions * kHeadSize + column;
-  const bool has_column = column < kHeadSize;
+  const int lane = threadIdx.x % 32;
+  const int64_t seq_head = static_cast<int64_t>(blockIdx.x) * (kCombineWarps / warps_per_row) +
+                           warp / warps_per_row;
+  const int share = warp % warps_per_row;  // this warp's chunks: share, share + warps_per_row..
+  const bool has_row = seq_head < rows;
+  const int used = has_row ? (SeqLen(p, static_cast<int>(seq_head / p.num_heads)) +
+                              p.partition_len - 1) / p.partition_len
+                           : 0;
+  const int64_t first = seq_head * p.num_partitions;
+  const float4* partial = reinterpret_cast<const float4*>(p.partial_out + first * kHeadSize);
+  const auto has_column = [&](int v) { return (v * 32 + lane) * 4 < kHeadSize; };
 
-  // The first kBatch partitions of this warp are loaded before the statistics, so that one
-  // memory round trip serves both (hundreds of partitions take a few more batches).
-  constexpr int kBatch = 16;
-  float values[kBatch];
+  float m = -INFINITY, l = 0.0f;
+  float4 acc[kVecs];
 #pragma unroll
-  for (int j = 0; j < kBatch; ++j) {
-    const int i = warp + j * kCombineWarps;
-    values[j] = has_column && i < used ? partial[i * kHeadSize] : 0.0f;
-  }
-
-  // Likewise the (max, sum) of partition threadIdx.x.
-  const bool has_stats = static_cast<int>(threadIdx.x) < used;
-  const float first_max = has_stats ? maxes[threadIdx.x] : -INFINITY;
-  const float first_sum = has_stats ? sums[threadIdx.x] : 0.0f;
-
-  float m = first_max;
-  for (int i = threadIdx.x + blockDim.x; i < used; i += blockDim.x) m = fmaxf(m, maxes[i]);
-  m = CtaReduce(m, reduce_scratch, [](float a, float b) { return fmaxf(a, b); });
-  // A partition whose tokens were all skipped has max -inf and sum 0: weight 0.
-  const auto weight = [m](float max) { return max == -INFINITY ? 0.0f : __expf(max - m); };
-  float total = 0.0f;
-  if (has_stats) {
-    weights[threadIdx.x] = weight(first_max);
-    total = weights[threadIdx.x] * first_sum;
-  }
-  for (int i = threadIdx.x + blockDim.x; i < used; i += blockDim.x) {
-    weights[i] = weight(maxes[i]);
-    total += weights[i] * sums[i];
-  }
-  total = CtaReduce(total, reduce_scratch, [](float a, float b) { return a + b; });
-
-  float acc = 0.0f;
+  for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int base = share * kChunk; base < used; base += warps_per_row * kChunk) {
+    const int mine = base + lane % kChunk;
+    const bool has_stats = lane < kChunk && mine < used;
+    const float chunk_max = has_stats ? p.partial_max[first + mine] : -INFINITY;
+    const float chunk_sum = has_stats ? p.partial_sum[first + mine] : 0.0f;
+    float4 values[kChunk][kVecs];
 #pragma unroll
-  for (int j = 0; j < kBatch; ++j) {
-    const int i = warp + j * kCombineWarps;
-    if (i < used) acc += weights[i] * values[j];
+    for (int j = 0; j < kChunk; ++j)
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        values[j][v] = base + j < used && has_column(v)
+                           ? partial[(base + j) * (kHeadSize / 4) + v * 32 + lane]
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    const float new_max =
+        fmaxf(m, WarpReduce(chunk_max, [](float a, float b) { return fmaxf(a, b); }));
+    // A partition whose tokens were all skipped has max -inf and sum 0: weight 0.
+    if (new_max == -INFINITY) continue;
+    const float rescale = __expf(m - new_max);  // 0 while m is -inf
+    const float weight = chunk_max == -INFINITY ? 0.0f : __expf(chunk_max - new_max);
+    l = l * rescale + WarpReduce(weight * chunk_sum, [](float a, float b) { return a + b; });
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const float w = __shfl_sync(0xffffffffu, weight, j);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const float r = j == 0 ? rescale : 1.0f;
+        acc[v] = make_float4(acc[v].x * r + w * values[j][v].x, acc[v].y * r + w * values[j][v].y,
+                             acc[v].z * r + w * values[j][v].z, acc[v].w * r + w * values[j][v].w);
+      }
+    }
+    m = new_max;
   }
-  if (has_column) {
-#pragma unroll 8
-    for (int i = warp + kBatch * kCombineWarps; i < used; i += kCombineWarps) {
-      acc += weights[i] * partial[i * kHeadSize];
+
+  if (warps_per_row > 1) {  // the row's warps merge into its first one
+    if (lane == 0) {
+      warp_max[warp] = m;
+      warp_sum[warp] = l;
+    }
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) warp_acc[warp][v * 32 + lane] = acc[v];
+    __syncthreads();
+    if (share != 0) return;
+    float row_max = -INFINITY;
+    for (int w = warp; w < warp + warps_per_row; ++w) row_max = fmaxf(row_max, warp_max[w]);
+    l = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (row_max != -INFINITY) {
+      for (int w = warp; w < warp + warps_per_row; ++w) {
+        const float s = __expf(warp_max[w] - row_max);  // 0 for a warp with nothing
+        l += s * warp_sum[w];
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          const float4 a = warp_acc[w][v * 32 + lane];
+          acc[v] = make_float4(acc[v].x + s * a.x, acc[v].y + s * a.y, acc[v].z + s * a.z,
+                               acc[v].w + s * a.w);
+        }
+      }
     }
   }
-  warp_sums[warp][threadIdx.x % 32] = acc;
-  __syncthreads();
-  if (warp == 0 && column < kHeadSize) {
-    float value = 0.0f;
+  if (!has_row) return;
+  const float inv_sum = l > 0.0f ? 1.0f / l : 0.0f;  // an empty sequence gives zeros
+  T* out = static_cast<T*>(p.out) + seq_head * kHeadSize;
 #pragma unroll
-    for (int w = 0; w < kCombineWarps; ++w) value += warp_sums[w][threadIdx.x];
-    const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-    static_cast<T*>(p.out)[seq_head * kHeadSize + column] = cuda::FromFloat<T>(value * inv_total);
+  for (int v = 0; v < kVecs; ++v) {
+    if (!has_column(v)) continue;
+    const int column = (v * 32 + lane) * 4;
+    out[column] = cuda::FromFloat<T>(acc[v].x * inv_sum);
+    out[column + 1] = cuda::FromFloat<T>(acc[v].y * inv_sum);
+    out[column + 2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
+    out[column + 3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
   }
 }
 

@@ -86,6 +86,13 @@ def test_long_sequences_split_into_partitions(dtype):
     check([1312, 511, 512, 513, 1025, 3], 8, 2, 128, 16, dtype, max_blocks_per_seq=82)
 
 
+def test_one_very_long_sequence():
+    # About one partition per SM of an H100 on the tensor-core kernel (131 of 528 tokens) and
+    # 135 of 512 tokens on the CUDA-core kernel: more partitions than the combine kernel's
+    # warps of a row load in one pass.
+    check([69000], 8, 8, 128, 16, torch.bfloat16)
+
+
 @pytest.mark.parametrize("softcap,alibi", [(30.0, False), (0.0, True), (5.0, True)],
                          ids=["softcap", "alibi", "softcap+alibi"])
 def test_softcap_and_alibi(softcap, alibi):
