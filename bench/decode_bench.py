@@ -38,6 +38,7 @@ CHAIN = 20
 DISPATCH_CHAIN = 500
 ONLY = None  # --only: the one impl to measure
 H, KVH, D = 32, 8, 128
+SCALE = D ** -0.5
 SHAPES = [(32, 4096, 16), (8, 16384, 16), (64, 1024, 16), (1, 32768, 16), (32, 4096, 32)]
 
 
@@ -105,8 +106,8 @@ def xla_gather_attention(query, key_cache, value_cache, block_tables, seq_lens, 
     return out.reshape(batch, H, D)
 
 
-def paged_attention_rows(batch, seq_len, block_size, reps, copy):
-    shape = f"B={batch},L={seq_len},block={block_size}"
+def paged_attention_data(batch, seq_len, block_size):
+    """The benchmark's inputs as torch CUDA tensors, and the bytes of K and V a call reads."""
     blocks_per_seq = seq_len // block_size
     num_blocks = batch * blocks_per_seq
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -118,64 +119,103 @@ def paged_attention_rows(batch, seq_len, block_size, reps, copy):
     block_tables = torch.randperm(num_blocks, device="cuda", generator=g).int().reshape(
         batch, blocks_per_seq)
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-    kv_bytes = 2 * batch * seq_len * KVH * D * 2
-    scale = D ** -0.5
+    data = dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                block_tables=block_tables, seq_lens=seq_lens)
+    return data, 2 * batch * seq_len * KVH * D * 2
+
+
+def jax_args(data):
+    """The same arrays in JAX, in the op's argument order."""
+    return tuple(jnp.asarray(t.cpu().float().numpy()).astype(
+        jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.int32) for t in data.values())
+
+
+def chained(attention):
+    """chain(length): a jitted chain of `length` attention calls, each behind a barrier, each
+    one's output the next one's query."""
+    def chain(length):
+        @jax.jit
+        def run(*state):
+            for _ in range(length):
+                state = jax.lax.optimization_barrier(state)
+                state = (attention(*state, SCALE),) + state[1:]
+            return state[0]
+        return run
+    return chain
+
+
+def ours(*args):
+    return xla_ext_jax.paged_attention(*args[:5], scale=args[5])
+
+
+def contiguous_sdpa(data, backend):
+    """torch SDPA on the same keys and values laid out contiguously: [B, KVH, L, D]."""
+    from torch.nn.attention import sdpa_kernel
+
+    batch, seq_len = data["block_tables"].shape[0], int(data["seq_lens"][0])
+    order = data["block_tables"].long().reshape(-1)
+    k = data["key_cache"][order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
+    v = data["value_cache"][order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
+    q = data["query"].unsqueeze(2)  # [B, H, 1, D]
+
+    def sdpa():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE,
+                                                                    enable_gqa=True)
+    return sdpa
+
+
+def paged_attention_callable(batch, seq_len, block_size, impl, calls):
+    """A no-argument function that runs `calls` calls of impl and waits for them (for
+    bench/kernel_times.py)."""
+    data, _ = paged_attention_data(batch, seq_len, block_size)
+    if impl == "sdpa_cudnn":
+        from torch.nn.attention import SDPBackend
+
+        sdpa = contiguous_sdpa(data, SDPBackend.CUDNN_ATTENTION)
+        del data
+
+        def run_torch():
+            for _ in range(calls):
+                sdpa()
+        return run_torch
+    args = jax_args(data)
+    del data
+    fn = chained(ours if impl == "xla_ext" else xla_gather_attention)(calls)
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+def paged_attention_rows(batch, seq_len, block_size, reps, copy):
+    shape = f"B={batch},L={seq_len},block={block_size}"
+    data, kv_bytes = paged_attention_data(batch, seq_len, block_size)
     rows = []
-
-    j = {name: jnp.asarray(t.cpu().float().numpy()).astype(
-        jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.int32)
-         for name, t in dict(query=query, key_cache=key_cache, value_cache=value_cache,
-                             block_tables=block_tables, seq_lens=seq_lens).items()}
-    args = (j["query"], j["key_cache"], j["value_cache"], j["block_tables"], j["seq_lens"])
-
-    def chained(attention):
-        def chain(length):
-            @jax.jit
-            def run(*state):
-                for _ in range(length):
-                    state = jax.lax.optimization_barrier(state)
-                    state = (attention(*state, scale),) + state[1:]
-                return state[0]
-            return run
-        return chain
-
-    ours = chained(lambda *a: xla_ext_jax.paged_attention(*a[:5], scale=a[5]))
-    gather = chained(xla_gather_attention)
+    args = jax_args(data)
     if wanted("xla_ext"):
         # One un-chained call of each, to show both compute the same attention.
-        one = jax.jit(lambda *a: xla_ext_jax.paged_attention(*a, scale=scale))(*args)
-        reference = jax.jit(lambda *a: xla_gather_attention(*a, scale))(*args)
+        one = jax.jit(lambda *a: ours(*a, SCALE))(*args)
+        reference = jax.jit(lambda *a: xla_gather_attention(*a, SCALE))(*args)
         err = float(jnp.max(jnp.abs(one.astype(jnp.float32) - reference.astype(jnp.float32))))
-        rows.append(row("paged_attention", shape, "xla_ext", jax_seconds(ours, args, reps),
-                        kv_bytes, copy) | {"max_abs_diff_vs_xla_gather": err})
+        rows.append(row("paged_attention", shape, "xla_ext",
+                        jax_seconds(chained(ours), args, reps), kv_bytes, copy)
+                    | {"max_abs_diff_vs_xla_gather": err})
     if wanted("xla_gather"):
-        rows.append(row("paged_attention", shape, "xla_gather", jax_seconds(gather, args, reps),
-                        kv_bytes, copy))
-    del j, args
+        rows.append(row("paged_attention", shape, "xla_gather",
+                        jax_seconds(chained(xla_gather_attention), args, reps), kv_bytes, copy))
+    del args
 
-    # torch SDPA on the same keys and values laid out contiguously: [B, KVH, L, D].
-    order = block_tables.long().reshape(-1)
-    k = key_cache[order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
-    v = value_cache[order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
-    q = query.unsqueeze(2)  # [B, H, 1, D]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     for impl, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
         if not wanted(impl):
             continue
-
-        def sdpa():
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                                        enable_gqa=True)
         try:
-            rows.append(row("paged_attention", shape, impl, torch_seconds(sdpa, reps), kv_bytes,
-                            copy))
+            rows.append(row("paged_attention", shape, impl,
+                            torch_seconds(contiguous_sdpa(data, backend), reps), kv_bytes, copy))
         except RuntimeError as e:  # a backend that refuses this shape is reported, not hidden
             rows.append({"op": "paged_attention", "shape": shape, "impl": impl,
                          "error": str(e).splitlines()[0][:200]})
-    del k, v, key_cache, value_cache
+    del data
     torch.cuda.empty_cache()
     return rows
 
