@@ -4,8 +4,8 @@
 #   handlers through JAX's XLA GPU, through torchax, through torch on CUDA tensors), the
 #   compute-sanitizer memcheck and racecheck runs, the registration of our CUDA handlers into
 #   JAX's CUDA PJRT plugin by our own path, the benchmark, and an ncu profile of paged attention.
-# Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt, <gpu>-dispatch-command-buffers.txt and
-# <gpu>-ncu.txt to $OUT
+# Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt, <gpu>-kernel-times.json,
+# <gpu>-dispatch-command-buffers.txt and <gpu>-ncu.txt to $OUT
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
@@ -63,6 +63,13 @@ fi
 
 step "benchmark: bench/decode_bench.py"
 python3 bench/decode_bench.py --out "$OUT/$GPU.json" > /tmp/bench.txt 2>&1 || { status=1; tail -20 /tmp/bench.txt | tee -a "$TESTS"; }
+
+step "per-kernel GPU time of a call in the chain (CUPTI): bench/kernel_times.py"
+for impl in xla_ext sdpa_cudnn; do
+  python3 bench/kernel_times.py --impl "$impl" --out "/tmp/kernel-times-$impl.json" > /dev/null 2>&1 || status=1
+done
+python3 -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], 'w'), indent=1)" \
+  "$OUT/$GPU-kernel-times.json" /tmp/kernel-times-xla_ext.json /tmp/kernel-times-sdpa_cudnn.json || status=1
 
 step "per-op cost with and without XLA command buffers: bench/dispatch_command_buffers.py"
 python3 bench/dispatch_command_buffers.py 2>&1 | grep "us per call" > "$OUT/$GPU-dispatch-command-buffers.txt" || status=1
