@@ -69,7 +69,8 @@ __device__ __forceinline__ float Logit(const Params& p, float dot, int head, int
 
 constexpr int kCombineWarps = 8;  // per CTA
 
-// Partitions a combine warp loads at once: float4 registers per lane, kept at 16 per column.
+// Partitions a combine warp loads at once, into 16 float4 registers per lane (a lane holds 4
+// columns of each, 8 with head sizes over 128).
 template <int kHeadSize>
 constexpr int CombineChunk() {
   return kHeadSize > 128 ? 8 : 16;
