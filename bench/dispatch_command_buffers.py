@@ -15,6 +15,9 @@ import sys
 SETTINGS = [
     "",  # XLA's defaults: command buffers on
     "--xla_gpu_enable_command_buffer=",  # off: every op a separate launch from the host
+    # On, but XLA's kernel nodes without programmatic (PDL) edges between them; our custom
+    # call is a captured child graph either way.
+    "--xla_gpu_enable_pdl=false",
 ]
 LENGTH = 500
 REPS = 30
