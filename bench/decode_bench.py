@@ -148,15 +148,21 @@ def ours(*args):
     return xla_ext_jax.paged_attention(*args[:5], scale=args[5])
 
 
-def contiguous_sdpa(data, backend):
-    """torch SDPA on the same keys and values laid out contiguously: [B, KVH, L, D]."""
-    from torch.nn.attention import sdpa_kernel
-
+def contiguous_qkv(data):
+    """The same query, keys and values as torch SDPA takes them, the keys and values laid out
+    contiguously: q [B, H, 1, D], k and v [B, KVH, L, D]."""
     batch, seq_len = data["block_tables"].shape[0], int(data["seq_lens"][0])
     order = data["block_tables"].long().reshape(-1)
     k = data["key_cache"][order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
     v = data["value_cache"][order].reshape(batch, seq_len, KVH, D).transpose(1, 2).contiguous()
-    q = data["query"].unsqueeze(2)  # [B, H, 1, D]
+    return data["query"].unsqueeze(2), k, v
+
+
+def sdpa_call(qkv, backend):
+    """torch SDPA with one backend on contiguous_qkv's tensors."""
+    from torch.nn.attention import sdpa_kernel
+
+    q, k, v = qkv
 
     def sdpa():
         with sdpa_kernel(backend):
@@ -172,7 +178,7 @@ def paged_attention_callable(batch, seq_len, block_size, impl, calls):
     if impl == "sdpa_cudnn":
         from torch.nn.attention import SDPBackend
 
-        sdpa = contiguous_sdpa(data, SDPBackend.CUDNN_ATTENTION)
+        sdpa = sdpa_call(contiguous_qkv(data), SDPBackend.CUDNN_ATTENTION)
         del data
 
         def run_torch():
@@ -205,13 +211,14 @@ def paged_attention_rows(batch, seq_len, block_size, reps, copy):
 
     from torch.nn.attention import SDPBackend
 
-    for impl, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        if not wanted(impl):
-            continue
+    backends = [(impl, backend) for impl, backend in (
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION))
+        if wanted(impl)]
+    qkv = contiguous_qkv(data) if backends else None
+    for impl, backend in backends:
         try:
             rows.append(row("paged_attention", shape, impl,
-                            torch_seconds(contiguous_sdpa(data, backend), reps), kv_bytes, copy))
+                            torch_seconds(sdpa_call(qkv, backend), reps), kv_bytes, copy))
         except RuntimeError as e:  # a backend that refuses this shape is reported, not hidden
             rows.append({"op": "paged_attention", "shape": shape, "impl": impl,
                          "error": str(e).splitlines()[0][:200]})

@@ -30,8 +30,6 @@ CALLS = 20
 
 def chain_kernels(fn):
     """The kernels of one run of fn, in start order."""
-    fn()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -42,6 +40,8 @@ def chain_kernels(fn):
 def summarize(fn, reps=3):
     """Per call, median over reps: the span from the chain's first kernel start to its last
     kernel end, and each kernel's summed duration, both over CALLS."""
+    fn()  # compile, warm up
+    torch.cuda.synchronize()
     periods, per_name, gaps = [], {}, []
     for _ in range(reps):
         kernels = chain_kernels(fn)
