@@ -36,6 +36,9 @@ namespace xla_ext::paged_attention::tensor_core {
 constexpr int kL2PrefetchStages = XLA_EXT_PAGED_ATTENTION_L2_PREFETCH_STAGES;
 constexpr int kStageTokens = 16;  // one k16 step of P V; two n8 tiles of S
 constexpr int kMaxStages = 16;
+// Stages a CTA brings into L2 before the previous kernel has finished (PrefetchEarly). Measured
+// on an H100 against none, 3 and 4 (bench/results/h100-tune-tensor-core.txt).
+constexpr int kEarlyPrefetchStages = 2;
 constexpr int kMaxKvHeadsPerCta = 8;
 constexpr int kMaxGroupSize = 16;  // the rows of an m16n8k16 A tile
 // Barriers and per-stage token masks come first in shared memory, then the stage buffers.
@@ -55,6 +58,27 @@ struct Layout {
 
 inline int SharedBytes(const Layout& layout, int num_stages) {
   return kHeaderBytes + num_stages * layout.stage_bytes;
+}
+
+// Launched programmatically, a CTA starts while the previous kernel drains, and must not read
+// what that kernel may still write until WaitForPrerequisiteGrid. It can still start its first
+// stages' DRAM reads: an L2 prefetch is only a hint, and L2 is where every SM's writes land, so
+// a prefetched line can never be stale. The sequence length and block id that give the address
+// are read past L1 (__ldcg), so that no stale copy stays there for the real reads after the
+// wait; if the previous kernel changes them, this prefetches the wrong rows of the cache, which
+// costs bandwidth and nothing else. Rows [t, t + run) of every kv head, a run within one block.
+template <typename T, int kHeadSize>
+__device__ __forceinline__ void PrefetchEarly(const Params& p, int seq, const int32_t* blocks,
+                                              int t, int run) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int capacity = p.max_blocks_per_seq << p.log2_block_size;
+  if (t >= min(__ldcg(&p.seq_lens[seq]), capacity)) return;
+  const int64_t offset = RowOffset(p, __ldcg(&blocks[t >> p.log2_block_size]), t, 0, kHeadSize);
+  if (offset < 0) return;
+  const uint32_t bytes = run * p.num_kv_heads * kHeadSize * sizeof(T);
+  cuda::sm90::PrefetchToL2(static_cast<const T*>(p.key_cache) + offset, bytes);
+  cuda::sm90::PrefetchToL2(static_cast<const T*>(p.value_cache) + offset, bytes);
+#endif
 }
 
 // kHighRows: the GQA group has more than 8 heads, so rows 8-15 of the MMA tiles are used.
@@ -86,13 +110,21 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
     }
     sm90::FenceBarrierInit();
   }
+  const int start = partition * p.partition_len;
+  const int32_t* blocks = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+  // With every kv head in the CTA, the rows of a block's tokens are one contiguous run: one
+  // large L2 prefetch per run turns a stage's row copies into L2 hits. The first
+  // kEarlyPrefetchStages stages are prefetched here, the rest a stage ahead in the loop.
+  const int prefetch_run =
+      kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
+  if (warp == kv_heads_per_cta && prefetch_run > 0 &&
+      lane < kEarlyPrefetchStages * kStageTokens / prefetch_run) {
+    PrefetchEarly<T, kHeadSize>(p, seq, blocks, start + lane * prefetch_run, prefetch_run);
+  }
   __syncthreads();
   // Launched programmatically: the set-up above overlaps the previous kernel's tail; global
   // memory only after it has finished.
   sm90::WaitForPrerequisiteGrid();
-
-  const int start = partition * p.partition_len;
-  const int32_t* blocks = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   // The producer loads its first stage's block ids beside the sequence length: one memory
   // round trip before the first copies, not two. Entries below the capacity are readable.
   const int first_token = start + lane % kStageTokens;
@@ -130,10 +162,6 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       const int t = start + iter * kStageTokens + index;
       return t < end ? RowOffset(p, blocks, t, first_kv_head, kHeadSize) : -1;
     };
-    // With every kv head in the CTA, the rows of a block's tokens are one contiguous run: one
-    // large L2 prefetch per run, a stage ahead, turns the stage's row copies into L2 hits.
-    const int prefetch_run =
-        kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
     int64_t offset =
         first_token < end ? RowOffset(p, first_block, first_token, first_kv_head, kHeadSize) : -1;
     for (int iter = 0; iter < num_iters; ++iter) {
@@ -167,9 +195,10 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       if (offset >= 0) {
         sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + offset, bytes, barrier);
       }
-      if (kL2PrefetchStages > 0 && prefetch_run > 0 && iter + kL2PrefetchStages < num_iters &&
-          index % prefetch_run == 0) {
-        const int64_t ahead = row_offset(iter + kL2PrefetchStages);
+      const int ahead_iter = iter + kL2PrefetchStages;
+      if (kL2PrefetchStages > 0 && prefetch_run > 0 && ahead_iter >= kEarlyPrefetchStages &&
+          ahead_iter < num_iters && index % prefetch_run == 0) {
+        const int64_t ahead = row_offset(ahead_iter);
         if (ahead >= 0) sm90::PrefetchToL2(cache + ahead, prefetch_run * row_bytes);
       }
       offset = next;
