@@ -5,7 +5,7 @@
 #   compute-sanitizer memcheck and racecheck runs, the registration of our CUDA handlers into
 #   JAX's CUDA PJRT plugin by our own path, the benchmark, and an ncu profile of paged attention.
 # Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt, <gpu>-kernel-times.json,
-# <gpu>-dispatch-command-buffers.txt and <gpu>-ncu.txt to $OUT
+# <gpu>-dispatch-command-buffers.txt, <gpu>-dispatch-record-probe.txt and <gpu>-ncu.txt to $OUT
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
@@ -73,6 +73,16 @@ python3 -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:
 
 step "per-op cost with and without XLA command buffers: bench/dispatch_command_buffers.py"
 python3 bench/dispatch_command_buffers.py 2>&1 | grep "us per call" > "$OUT/$GPU-dispatch-command-buffers.txt" || status=1
+
+step "an FFI call as a Record-stage kernel node (jaxlib 0.11.2): bench/record_probe"
+if bench/record_probe/build.sh > /tmp/record-probe.txt 2>&1 &&
+    python3 bench/record_probe/probe.py --trace > "$OUT/$GPU-dispatch-record-probe.txt" \
+      2> /tmp/record-probe.txt; then
+  tail -4 "$OUT/$GPU-dispatch-record-probe.txt" | tee -a "$TESTS"
+else
+  status=1
+  tail -5 /tmp/record-probe.txt | tee -a "$TESTS"
+fi
 
 if command -v ncu > /dev/null; then
   step "ncu: paged_attention B=32,L=4096"
