@@ -71,8 +71,7 @@ template <typename T, int kHeadSize>
 __device__ __forceinline__ void PrefetchEarly(const Params& p, int seq, const int32_t* blocks,
                                               int t, int run) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const int capacity = p.max_blocks_per_seq << p.log2_block_size;
-  if (t >= min(__ldcg(&p.seq_lens[seq]), capacity)) return;
+  if (t >= ClampSeqLen(p, __ldcg(&p.seq_lens[seq]))) return;
   const int64_t offset = RowOffset(p, __ldcg(&blocks[t >> p.log2_block_size]), t, 0, kHeadSize);
   if (offset < 0) return;
   const uint32_t bytes = run * p.num_kv_heads * kHeadSize * sizeof(T);
@@ -129,7 +128,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
   // round trip before the first copies, not two. Entries below the capacity are readable.
   const int first_token = start + lane % kStageTokens;
   const int first_block =
-      warp == kv_heads_per_cta && first_token < p.max_blocks_per_seq << p.log2_block_size
+      warp == kv_heads_per_cta && first_token < Capacity(p)
           ? blocks[first_token >> p.log2_block_size]
           : -1;
   const int seq_len = SeqLen(p, seq);

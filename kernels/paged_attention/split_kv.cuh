@@ -36,10 +36,18 @@ struct Params {
   float softcap;
 };
 
-// The clamped length the CUDA path uses (see paged_attention.h).
+// Tokens a sequence's block-table row can address.
+__device__ __forceinline__ int Capacity(const Params& p) {
+  return p.max_blocks_per_seq << p.log2_block_size;
+}
+
+// The clamped length the CUDA path uses (see paged_attention.h), of a seq_lens entry.
+__device__ __forceinline__ int ClampSeqLen(const Params& p, int length) {
+  return min(max(length, 0), Capacity(p));
+}
+
 __device__ __forceinline__ int SeqLen(const Params& p, int seq) {
-  const int capacity = p.max_blocks_per_seq << p.log2_block_size;
-  return min(max(p.seq_lens[seq], 0), capacity);
+  return ClampSeqLen(p, p.seq_lens[seq]);
 }
 
 // Element offset of token t's row for kv_head (the rows of the following kv heads come right
