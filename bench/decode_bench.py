@@ -240,6 +240,19 @@ def add_chain(add):
     return chain
 
 
+def dispatch_operands():
+    """The dispatch row's operands: 4 KiB of f32 each, so the cost is dispatching the op, not
+    moving bytes."""
+    return jnp.ones((1024,), jnp.float32), jnp.full((1024,), 0.5, jnp.float32)
+
+
+def dispatch_seconds(add, operands, reps):
+    """Seconds of one add on dispatch_operands inside a compiled graph. A call costs about a
+    microsecond: long chains, so that the difference of two chains stands well above the
+    run-to-run jitter of an executable's launch."""
+    return jax_seconds(add_chain(add), operands, reps, length=DISPATCH_CHAIN)
+
+
 def simple_add_rows(reps, copy):
     rows = []
     n = (1 << 30) // 4  # 1 GiB of f32 per operand
@@ -253,15 +266,10 @@ def simple_add_rows(reps, copy):
                         3 * 4 * n, copy))
     del a, b
 
-    small = 1024  # 4 KiB of f32: the cost is dispatching the op, not moving bytes
-    a = jnp.ones((small,), jnp.float32)
-    b = jnp.full((small,), 0.5, jnp.float32)
+    operands = dispatch_operands()
     for impl, add in adds:
-        # A call costs about a microsecond: long chains, so that the difference of two chains
-        # stands well above the run-to-run jitter of an executable's launch.
-        rows.append(row("dispatch", "f32,4KiB", impl,
-                        jax_seconds(add_chain(add), (a, b), reps, length=DISPATCH_CHAIN),
-                        3 * 4 * small, copy))
+        rows.append(row("dispatch", "f32,4KiB", impl, dispatch_seconds(add, operands, reps),
+                        3 * operands[0].nbytes, copy))
     return rows
 
 

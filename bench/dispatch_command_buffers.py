@@ -19,19 +19,17 @@ SETTINGS = [
     # call is a captured child graph either way.
     "--xla_gpu_enable_pdl=false",
 ]
-LENGTH = 500
 REPS = 30
 
 
 def measure():
     import jax.numpy as jnp
 
-    from bench.decode_bench import add_chain, jax_seconds
+    from bench.decode_bench import dispatch_operands, dispatch_seconds
     from torch_xla_ext import jax as xla_ext_jax
 
-    a = jnp.ones((1024,), jnp.float32)
-    b = jnp.full((1024,), 0.5, jnp.float32)
-    us = {impl: round(1e6 * jax_seconds(add_chain(add), (a, b), REPS, length=LENGTH), 3)
+    operands = dispatch_operands()
+    us = {impl: round(1e6 * dispatch_seconds(add, operands, REPS), 3)
           for impl, add in (("xla_ext", xla_ext_jax.simple_add), ("xla_native", jnp.add))}
     flags = os.environ.get("XLA_FLAGS") or "(defaults)"
     print(f"XLA_FLAGS={flags}: us per call {us}, ours / native "

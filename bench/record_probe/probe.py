@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.decode_bench import add_chain, jax_seconds
+from bench.decode_bench import DISPATCH_CHAIN, add_chain, dispatch_operands, dispatch_seconds
 from torch_xla_ext import jax as xla_ext_jax
 
-LENGTH = 500
 REPS = 30
 ROUNDS = 3
 LIBRARY = os.path.join(os.path.dirname(__file__), "..", "..", ".devbuild", "record_probe",
@@ -83,18 +82,17 @@ def main():
         **{f"probe_record_pdl_{ctas}_ctas": probe_add("xla_ext_probe.add_record", True, ctas)
            for ctas in (2, 4, 8, 16)},
     }
-    a = jnp.ones((1024,), jnp.float32)
-    b = jnp.full((1024,), 0.5, jnp.float32)
-    want = np.asarray(add_chain(jnp.add)(LENGTH)(a, b))
+    a, b = dispatch_operands()
+    want = np.asarray(add_chain(jnp.add)(DISPATCH_CHAIN)(a, b))
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     for round_index in range(ROUNDS):
         us = {}
         for name, add in adds.items():
-            got = np.asarray(add_chain(add)(LENGTH)(a, b))
+            got = np.asarray(add_chain(add)(DISPATCH_CHAIN)(a, b))
             if not np.array_equal(got, want):
                 raise SystemExit(f"{name}: chain result {got[:4]} differs from XLA's {want[:4]}")
-            us[name] = 1e6 * jax_seconds(add_chain(add), (a, b), REPS, length=LENGTH)
+            us[name] = 1e6 * dispatch_seconds(add, (a, b), REPS)
         print(f"round {round_index}: us per op " +
               ", ".join(f"{name} {value:.3f}" for name, value in us.items()) +
               f"; record_pdl / native {us['probe_record_pdl'] / us['xla_native']:.2f}", flush=True)
