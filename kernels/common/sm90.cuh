@@ -53,14 +53,38 @@ __device__ __forceinline__ void WaitParity(uint32_t barrier, uint32_t parity) {
   } while (!done);
 }
 
+// L2 cache policies (createpolicy): the lines an access under EvictFirstPolicy touches are the
+// first L2 evicts (data read once), those under EvictLastPolicy the last (data read again soon).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t EvictLastPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// Global stores under an L2 policy.
+__device__ __forceinline__ void Store(float* dst, float value, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(dst), "f"(value), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ void Store(float2* dst, float2 value, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;" ::"l"(dst), "f"(value.x),
+               "f"(value.y), "l"(policy)
+               : "memory");
+}
+
 // TMA: copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared
-// memory and counts them against the barrier's current phase.
+// memory under an L2 policy and counts them against the barrier's current phase.
 __device__ __forceinline__ void BulkCopyToShared(uint32_t dst, const void* src, uint32_t bytes,
-                                                 uint32_t barrier) {
+                                                 uint32_t barrier, uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(barrier)
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(barrier), "l"(policy)
       : "memory");
 }
 
