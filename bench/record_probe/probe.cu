@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "add_cubin.h"  // kAddCubin: add_kernel.cu as a cubin (build.sh)
 #include "add_kernel.cuh"
@@ -95,24 +96,23 @@ ffi::Error Record(RecordContext record, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi
   return record.UpdateLaunch(record.commands()[0], args);
 }
 
+// Both stages bind the same operands and attributes, after their context.
+template <typename Binding>
+auto BindOperands(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<bool>("uses_pdl")
+      .template Attr<int32_t>("ctas");
+}
+
 XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Ret<ffi::Buffer<ffi::F32>>()
-                           .Attr<bool>("uses_pdl")
-                           .Attr<int32_t>("ctas"),
+                       BindOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                        {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER(kRecord, Record,
-                       ffi::Ffi::BindRecord()
-                           .Ctx<ffi::Extension<RecordExtension>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Arg<ffi::Buffer<ffi::F32>>()
-                           .Ret<ffi::Buffer<ffi::F32>>()
-                           .Attr<bool>("uses_pdl")
-                           .Attr<int32_t>("ctas"));
+XLA_FFI_DEFINE_HANDLER(
+    kRecord, Record, BindOperands(ffi::Ffi::BindRecord().Ctx<ffi::Extension<RecordExtension>>()));
 
 ffi::Error Nothing(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
 XLA_FFI_DEFINE_HANDLER(kNothing, Nothing, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
@@ -157,5 +157,7 @@ extern "C" int XlaExtProbeRegistered() { return registered; }
 extern "C" const char* XlaExtProbeRegisterError() { return register_error; }
 // 0: Execute calls, 1: kernel nodes created, 2: kernel nodes updated.
 extern "C" int XlaExtProbeCount(int which) {
-  return which == 0 ? execute_calls.load() : which == 1 ? record_creates.load() : record_updates.load();
+  return which == 0   ? execute_calls.load()
+         : which == 1 ? record_creates.load()
+                      : record_updates.load();
 }
