@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-from torch_xla_ext import jax as xla_ext_jax  # noqa: E402
+from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
 
 CHAIN = 20
 DISPATCH_CHAIN = 500

@@ -26,7 +26,7 @@ def measure():
     import jax.numpy as jnp
 
     from bench.decode_bench import dispatch_operands, dispatch_seconds
-    from torch_xla_ext import jax as xla_ext_jax
+    from torch_xla_ext import jax_ops as xla_ext_jax
 
     operands = dispatch_operands()
     us = {impl: round(1e6 * dispatch_seconds(add, operands, REPS), 3)

@@ -38,7 +38,7 @@ def _bind_on_import():
     # Where torch_xla is not installed (JAX-only machines) there is nothing to bind it to;
     # where it is, a failure to bind is an error.
     if importlib.util.find_spec("torch_xla") is not None:
-        from torch_xla_ext.binders.torch_xla import TorchXlaRuntime
+        from torch_xla_ext.binders.torch_xla_runtime import TorchXlaRuntime
         from torch_xla_ext.custom_call import install_gpu_custom_call
 
         binders.add_runtime(TorchXlaRuntime())

@@ -7,9 +7,39 @@ import threading
 
 from torch_xla_ext.errors import TorchXlaExtError
 
-LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
-BUILTIN_LIBRARY = os.path.join(LIB_DIR, "libxla_ext_kernels.so")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_CHECKOUT_DIR = os.path.dirname(_PACKAGE_DIR)
+_KERNELS_SO = "libxla_ext_kernels.so"
+
+
+def _lib_dir():
+    """Where the package's shared objects are: beside the package (a wheel, Bazel's runfiles,
+    tools/device/build_kernels.sh) or, in a source checkout, in Bazel's output tree."""
+    beside = os.path.join(_PACKAGE_DIR, "lib")
+    bazel_bin = os.path.join(_CHECKOUT_DIR, "bazel-bin", "torch_xla_ext", "lib")
+    if not os.path.exists(os.path.join(beside, _KERNELS_SO)) and \
+            os.path.exists(os.path.join(_CHECKOUT_DIR, "WORKSPACE")) and \
+            os.path.exists(os.path.join(bazel_bin, _KERNELS_SO)):
+        return bazel_bin
+    return beside
+
+
+LIB_DIR = _lib_dir()
+BUILTIN_LIBRARY = os.path.join(LIB_DIR, _KERNELS_SO)
 TABLE_ABI = 1
+
+
+def _not_built_error():
+    if os.path.exists(os.path.join(_CHECKOUT_DIR, "WORKSPACE")):
+        how = ("This is a source checkout: build the libraries with `bazel build "
+               "//torch_xla_ext/lib` (`./dev.sh demo` and `./dev.sh test` do), or with "
+               "tools/device/build_kernels.sh on a machine without Bazel; or build and install "
+               "the wheel: `bazel build //:wheel && pip install bazel-bin/torch_xla_ext-*.whl`.")
+    else:
+        how = ("The installation is incomplete: reinstall the torch_xla_ext wheel "
+               "(`pip install --force-reinstall torch_xla_ext-*.whl`).")
+    return TorchXlaExtError(f"torch_xla_ext's kernel library {BUILTIN_LIBRARY} does not exist. "
+                            + how)
 
 
 class _Kernel(ctypes.Structure):
@@ -90,6 +120,8 @@ def builtin_library():
     global _builtin
     with _builtin_lock:
         if _builtin is None:
+            if not os.path.exists(BUILTIN_LIBRARY):
+                raise _not_built_error()
             _builtin = KernelLibrary(BUILTIN_LIBRARY)
         return _builtin
 

@@ -132,7 +132,7 @@ def doctor_report():
     from torch_xla_ext import binders
 
     try:  # JAX is optional; where installed, its XLA gets the kernels too.
-        import torch_xla_ext.jax  # noqa: F401
+        import torch_xla_ext.jax_ops  # noqa: F401
     except ImportError as e:
         logging.info("JAX front end not available: %s", e)
     kernels_ffi = sorted({"%d.%d" % lib.ffi_version for lib in binders.libraries()})

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-from torch_xla_ext.errors import TorchXlaExtError
+from torch_xla_ext.errors import JAX_INSTALL, TorchXlaExtError, import_dependency
 
 API_VERSION_STATUS_RETURNING = 2
 API_VERSION_TYPED_FFI = 4
@@ -172,7 +172,10 @@ def _computation(spec):
         computation = _computations.get(spec)
         if computation is None:
             import torch_xla
-            from jax._src.lib import xla_client  # the pinned jaxlib lowers StableHLO to HLO
+
+            # The pinned jaxlib lowers StableHLO to HLO.
+            xla_client = import_dependency("jaxlib.xla_client", "torch_xla_ext.custom_call",
+                                           JAX_INSTALL)
 
             try:
                 hlo = xla_client._xla.mlir.mlir_module_to_xla_computation(

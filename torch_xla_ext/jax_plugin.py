@@ -3,4 +3,4 @@ program gets our kernels registered without importing torch_xla_ext itself."""
 
 
 def initialize():
-    import torch_xla_ext.jax  # noqa: F401  (registers the kernels into JAX on import)
+    import torch_xla_ext.jax_ops  # noqa: F401  (registers the kernels into JAX on import)

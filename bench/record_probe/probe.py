@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.decode_bench import DISPATCH_CHAIN, add_chain, dispatch_operands, dispatch_seconds
-from torch_xla_ext import jax as xla_ext_jax
+from torch_xla_ext import jax_ops as xla_ext_jax
 
 REPS = 30
 ROUNDS = 3

@@ -14,6 +14,8 @@ import sysconfig
 import textwrap
 import zipfile
 
+import pytest
+
 WHEEL = glob.glob("torch_xla_ext-*.whl")
 
 
@@ -40,19 +42,34 @@ def test_wheel_name_tags_metadata_and_record():
             assert digest == "sha256=" + expected.decode() and int(size) == len(data)
 
 
-def test_install_into_a_fresh_venv_and_run_the_users_example(tmp_path):
+def _install_into_a_fresh_venv(tmp_path):
+    """A venv holding only the wheel; its (large) dependencies come from the project's venv
+    through a .pth file, and nothing is downloaded. Returns (python, site-packages)."""
     venv = tmp_path / "venv"
     base_python = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    # The fresh venv takes its (large) dependencies from the project's venv; the wheel itself
-    # is installed like any wheel, and nothing is downloaded.
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(site, "project_deps.pth"), "w") as pth:
         pth.write(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                     os.path.abspath(WHEEL[0])], check=True)
+    return python, site
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    return _install_into_a_fresh_venv(tmp_path_factory.mktemp("wheel"))
+
+
+def _run(args, cwd):
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True,
+                          env=dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=""))
+
+
+def test_install_into_a_fresh_venv_and_run_the_users_example(installed, tmp_path):
+    python, site = installed
     script = textwrap.dedent("""
         import torch, torch_xla
         import torch_xla_ext
@@ -63,7 +80,23 @@ def test_install_into_a_fresh_venv_and_run_the_users_example(tmp_path):
         print(torch_xla._XLAC._xla_gpu_custom_call([a, b], "", [[3]], [torch.float32],
                                                    target="XlaGpuSimpleAdd")[0].cpu().tolist())
     """) % site
-    result = subprocess.run([python, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                            env=dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=""))
+    result = _run([python, "-c", script], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[5.0, 7.0, 9.0]"
+
+
+@pytest.mark.parametrize("how", ["console_script", "python_m", "package_main_as_a_file"])
+def test_the_installed_demo_runs_however_it_is_started(installed, tmp_path, how):
+    python, site = installed
+    package = os.path.join(site, "torch_xla_ext")
+    args, cwd = {
+        "console_script": ([os.path.join(os.path.dirname(python), "torch-xla-ext"), "demo"],
+                           tmp_path),
+        "python_m": ([python, "-m", "torch_xla_ext", "demo"], tmp_path),
+        # Python puts the package folder first on sys.path: nothing there may shadow `jax`.
+        "package_main_as_a_file": ([python, os.path.join(package, "__main__.py"), "demo"],
+                                   package),
+    }[how]
+    result = _run(args, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "All results match PyTorch." in result.stdout

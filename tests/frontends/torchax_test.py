@@ -17,7 +17,7 @@ def env():
 
     # slot_mapping is int64 (vLLM's); JAX keeps 64-bit integers only with x64 on.
     jax.config.update("jax_enable_x64", True)
-    import torch_xla_ext.torchax  # noqa: F401  (before the environment exists)
+    import torch_xla_ext.torchax_ops  # noqa: F401  (before the environment exists)
     import torchax
 
     return torchax.default_env()

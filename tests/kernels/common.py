@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import torch_xla_ext.jax as xla_ext_jax  # noqa: E402,F401  (registers the kernels into JAX)
+import torch_xla_ext.jax_ops as xla_ext_jax  # noqa: E402,F401  (registers the kernels into JAX)
 
 PLATFORM = os.environ.get("XLA_EXT_TEST_PLATFORM", "cpu")
 DEVICE = jax.devices(PLATFORM)[0]

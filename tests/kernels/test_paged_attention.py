@@ -9,7 +9,7 @@ import torch
 
 from tests import reference
 from tests.kernels.common import DTYPES, PLATFORM, assert_close, replace, to_jax, to_torch
-from torch_xla_ext import jax as xla_ext_jax
+from torch_xla_ext import jax_ops as xla_ext_jax
 from torch_xla_ext.errors import TorchXlaExtError
 
 

@@ -6,7 +6,7 @@ import torch
 
 from tests import reference
 from tests.kernels.common import DTYPES, assert_close, to_jax
-from torch_xla_ext import jax as xla_ext_jax
+from torch_xla_ext import jax_ops as xla_ext_jax
 from torch_xla_ext.errors import TorchXlaExtError
 
 SHAPES = [(), (0,), (7,), (0, 3), (3, 5), (2, 3, 33), (2, 1, 3, 5)]

@@ -8,7 +8,7 @@ import pytest
 
 def test_binding_is_idempotent_and_thread_safe(xla_device):
     from torch_xla_ext import _kernels, binders
-    from torch_xla_ext.binders.torch_xla import TorchXlaRuntime
+    from torch_xla_ext.binders.torch_xla_runtime import TorchXlaRuntime
 
     before = binders.registrations()
     errors = []
@@ -33,7 +33,7 @@ def test_binding_is_idempotent_and_thread_safe(xla_device):
 
 def test_missing_symbol_is_one_clear_error(xla_device, monkeypatch):
     from torch_xla_ext import TorchXlaExtError
-    from torch_xla_ext.binders import torch_xla as binder
+    from torch_xla_ext.binders import torch_xla_runtime as binder
 
     monkeypatch.setattr(binder, "_symbol_values", lambda path, names: {n: None for n in names})
     with pytest.raises(TorchXlaExtError) as info:
@@ -45,7 +45,7 @@ def test_missing_symbol_is_one_clear_error(xla_device, monkeypatch):
 
 def test_other_ffi_version_is_one_clear_error(xla_device, monkeypatch):
     from torch_xla_ext import TorchXlaExtError
-    from torch_xla_ext.binders import torch_xla as binder
+    from torch_xla_ext.binders import torch_xla_runtime as binder
 
     monkeypatch.setattr(binder, "_read_version", lambda api: (208, (0, 3)))
     with pytest.raises(TorchXlaExtError, match=r"speaks XLA FFI API 0\.3 .*supported: torch_xla 2\.9\.0"):

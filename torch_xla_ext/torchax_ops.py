@@ -1,15 +1,21 @@
 """torchax front end: under torchax (PyTorch on JAX), torch.ops.xla_ext.* lower to the JAX
-functions of torch_xla_ext.jax, so PyTorch code runs our kernels inside an XLA graph (on the
+functions of torch_xla_ext.jax_ops, so PyTorch code runs our kernels inside an XLA graph (on the
 GPU, the CUDA handlers through XLA GPU).
 
 Import this module before torchax's environment is first created (torchax.default_env()).
 """
 
 import torch
-from torchax.ops import jaten
 
-import torch_xla_ext  # noqa: F401  (defines torch.ops.xla_ext)
-from torch_xla_ext import jax as xla_ext_jax
+from torch_xla_ext.errors import import_dependency
+
+jaten = import_dependency(
+    "torchax.ops.jaten", "torch_xla_ext.torchax_ops",
+    "torchax ships inside the torch_xla 2.9 wheel and imports only with flax installed: "
+    "pip install torch_xla==2.9.0 flax==0.12.0 (or a torchax wheel that matches your torch)")
+
+import torch_xla_ext  # noqa: E402,F401  (defines torch.ops.xla_ext)
+from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
 
 
 def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, softcap=0.0,

@@ -7,13 +7,15 @@ the handlers check again (and, on the CPU, check data such as block ids that a j
 function cannot see).
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from torch_xla_ext import _kernels, binders, checks
-from torch_xla_ext.binders.jax import JaxRuntime
-from torch_xla_ext.errors import TorchXlaExtError
+from torch_xla_ext.errors import JAX_INSTALL, TorchXlaExtError, import_dependency
+
+jax = import_dependency("jax", "torch_xla_ext.jax_ops", JAX_INSTALL)
+import jax.numpy as jnp  # noqa: E402
+
+from torch_xla_ext import _kernels, binders, checks  # noqa: E402
+from torch_xla_ext.binders.jax_runtime import JaxRuntime  # noqa: E402
 
 __all__ = ["paged_attention", "reshape_and_cache", "simple_add"]
 
