@@ -59,3 +59,32 @@ def alibi_slopes(num_heads):
         extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
         slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
     return torch.tensor(slopes, dtype=torch.float32)
+
+
+def kv_cache_update_ref(key, value, kv_cache, slot_mapping):
+    """A new combined cache [num_pages, page_size, 2 * num_kv_heads, head_size] with token i's
+    key rows at combined heads 2h and value rows at 2h + 1 of slot slot_mapping[i]
+    (page * page_size + offset); negative slots are skipped."""
+    if kv_cache.dtype == torch.float8_e4m3fn:  # torch cannot index fp8 tensors: move bytes
+        return kv_cache_update_ref(key.view(torch.uint8), value.view(torch.uint8),
+                                   kv_cache.view(torch.uint8), slot_mapping).view(kv_cache.dtype)
+    num_pages, page_size = kv_cache.shape[:2]
+    cache = kv_cache.clone().reshape(num_pages * page_size, *kv_cache.shape[2:])
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    cache[slots, 0::2] = key[keep]
+    cache[slots, 1::2] = value[keep]
+    return cache.reshape(kv_cache.shape)
+
+
+def kv_cache_update_slices_ref(kv, slices, kv_cache, num_slices):
+    """vLLM's slice form: for i < num_slices[0], kv rows [new_start, +length) go to cache rows
+    [cache_start, +length), slices = [cache_start, new_start, length] x max_slices."""
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return kv_cache_update_slices_ref(kv.view(torch.uint8), slices,
+                                          kv_cache.view(torch.uint8), num_slices).view(kv.dtype)
+    cache = kv_cache.clone()
+    for i in range(int(num_slices[0])):
+        start, new_start, length = (int(slices[r, i]) for r in range(3))
+        cache[start:start + length] = kv[new_start:new_start + length]
+    return cache

@@ -136,3 +136,74 @@ def slot_values(slot_mapping, num_slots):
         _fail("xla_ext.reshape_and_cache", "slot_mapping",
               f"slots < num_blocks * block_size = {num_slots}",
               f"slot_mapping[{i}] = {slot_mapping[i]}")
+
+
+# The dtypes a KV cache may hold: the float types, and fp8 (e4m3) for quantised caches.
+CACHE_DTYPES = FLOAT_DTYPES + ("float8_e4m3fn",)
+
+
+def kv_cache_update(key, value, kv_cache, slot_mapping):
+    op = "xla_ext.kv_cache_update"
+    _check_rank(op, "kv_cache", kv_cache, 4,
+                "[num_pages, page_size, 2 * num_kv_heads, head_size]")
+    _check_dtype(op, "kv_cache", kv_cache, CACHE_DTYPES)
+    _check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    _check_same_dtype(op, "key", key, "kv_cache", kv_cache)
+    _check_same(op, "value", value, "key", key)
+    num_tokens, num_kv_heads, head_size = _shape(key)
+    if _shape(kv_cache)[2:] != [2 * num_kv_heads, head_size]:
+        _fail(op, "kv_cache", f"[2 * num_kv_heads, head_size] = {[2 * num_kv_heads, head_size]} "
+              "in dimensions 2-3 (from 'key')", f"shape {_shape(kv_cache)}")
+    _check_dtype(op, "slot_mapping", slot_mapping, ("int32",))
+    if _shape(slot_mapping) != [num_tokens]:
+        _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")
+
+
+def kv_cache_update_slices(kv, slices, kv_cache, num_slices, page_size, num_slices_per_block):
+    op = "xla_ext.kv_cache_update_slices"
+    _check_rank(op, "kv_cache", kv_cache, 3,
+                "[num_pages * page_size, num_combined_heads, head_size]")
+    _check_dtype(op, "kv_cache", kv_cache, CACHE_DTYPES)
+    _check_rank(op, "kv", kv, 3, "[num_tokens, num_combined_heads, head_size]")
+    _check_same_dtype(op, "kv", kv, "kv_cache", kv_cache)
+    if _shape(kv_cache)[1:] != _shape(kv)[1:]:
+        _fail(op, "kv_cache", f"[num_combined_heads, head_size] = {_shape(kv)[1:]} in "
+              "dimensions 1-2 (as 'kv')", f"shape {_shape(kv_cache)}")
+    _check_dtype(op, "slices", slices, ("int32",))
+    if len(slices.shape) != 2 or _shape(slices)[0] != 3:
+        _fail(op, "slices", "shape [3, max_slices] (cache_start, new_kv_start, length)",
+              f"shape {_shape(slices)}")
+    _check_dtype(op, "num_slices", num_slices, ("int32",))
+    if _shape(num_slices) != [1]:
+        _fail(op, "num_slices", "shape [1]", f"shape {_shape(num_slices)}")
+    rows = _shape(kv_cache)[0]
+    if not isinstance(page_size, int) or page_size <= 0 or rows % page_size:
+        _fail(op, "page_size", f"a positive divisor of num_cache_rows = {rows}", f"{page_size}")
+    if not isinstance(num_slices_per_block, int) or num_slices_per_block <= 0:
+        _fail(op, "num_slices_per_block", "a positive integer", f"{num_slices_per_block}")
+
+
+def kv_slot_values(slot_mapping, num_slots):
+    """Slots below num_pages * page_size (negative ones are skipped)."""
+    if slot_mapping.size and slot_mapping.max() >= num_slots:
+        i = int(np.argmax(slot_mapping >= num_slots))
+        _fail("xla_ext.kv_cache_update", "slot_mapping",
+              f"slots < num_pages * page_size = {num_slots}",
+              f"slot_mapping[{i}] = {slot_mapping[i]}")
+
+
+def slice_values(slices, num_slices, num_new_rows, num_cache_rows):
+    """The first num_slices columns of `slices` lie within kv and the cache."""
+    op = "xla_ext.kv_cache_update_slices"
+    count = int(num_slices[0])
+    if not 0 <= count <= slices.shape[1]:
+        _fail(op, "num_slices", f"a count in [0, max_slices = {slices.shape[1]}]",
+              f"num_slices[0] = {count}")
+    start, new_start, length = (slices[r, :count].astype(np.int64) for r in range(3))
+    bad = np.flatnonzero((length < 0) | (start < 0) | (new_start < 0) |
+                         (start + length > num_cache_rows) | (new_start + length > num_new_rows))
+    if bad.size:
+        i = int(bad[0])
+        _fail(op, "slices", f"slices within kv ({num_new_rows} rows) and kv_cache "
+              f"({num_cache_rows} rows)", f"cache_start[{i}] = {start[i]}, new_kv_start[{i}] = "
+              f"{new_start[i]}, length[{i}] = {length[i]}")

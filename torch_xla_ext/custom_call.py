@@ -28,7 +28,7 @@ LEGACY_GPU_TARGET = "triton_kernel_call"
 _TENSOR_ELEMENT_TYPES = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
     torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-    torch.uint8: "ui8", torch.bool: "i1",
+    torch.uint8: "ui8", torch.bool: "i1", torch.float8_e4m3fn: "f8E4M3FN",
 }
 _MLIR_NUMPY_TYPES = {
     np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",

@@ -16,6 +16,7 @@ from torch_xla_ext.errors import TorchXlaExtError
 _FFI_DTYPES = {
     torch.bool: 1, torch.int8: 2, torch.int16: 3, torch.int32: 4, torch.int64: 5,
     torch.uint8: 6, torch.float16: 10, torch.float32: 11, torch.float64: 12, torch.bfloat16: 16,
+    torch.float8_e4m3fn: 20,
 }
 _ATTR_DTYPES = {"f32": (11, ctypes.c_float), "f64": (12, ctypes.c_double),
                 "i32": (4, ctypes.c_int32), "i64": (5, ctypes.c_int64), "pred": (1, ctypes.c_bool)}

@@ -17,11 +17,14 @@ import jax.numpy as jnp  # noqa: E402
 from torch_xla_ext import _kernels, binders, checks  # noqa: E402
 from torch_xla_ext.binders.jax_runtime import JaxRuntime  # noqa: E402
 
-__all__ = ["paged_attention", "reshape_and_cache", "simple_add"]
+__all__ = ["kv_cache_update", "kv_cache_update_slices", "paged_attention", "reshape_and_cache",
+           "simple_add"]
 
 SIMPLE_ADD_TARGET = "XlaGpuSimpleAdd"
 PAGED_ATTENTION_TARGET = "xla_ext.paged_attention"
 RESHAPE_AND_CACHE_TARGET = "xla_ext.reshape_and_cache"
+KV_CACHE_UPDATE_TARGET = "xla_ext.kv_cache_update"
+KV_CACHE_UPDATE_SLICES_TARGET = "xla_ext.kv_cache_update_slices"
 
 binders.add_library(_kernels.builtin_library())
 binders.add_runtime(JaxRuntime())
@@ -87,3 +90,38 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     call = jax.ffi.ffi_call(RESHAPE_AND_CACHE_TARGET, (cache_type, cache_type),
                             input_output_aliases={2: 0, 3: 1})
     return tuple(call(key, value, key_cache, value_cache, slot_mapping))
+
+
+def kv_cache_update(key, value, kv_cache, slot_mapping):
+    """Writes token i's key and value rows [num_kv_heads, head_size] into slot slot_mapping[i]
+    (int32; page * page_size + offset; negative = skip) of the combined cache `kv_cache`
+    [num_pages, page_size, 2 * num_kv_heads, head_size] (K of kv head h at 2h, V at 2h + 1).
+    Returns the updated cache, aliased to `kv_cache`: donate it to jit to write in place."""
+    key, value, kv_cache, slot_mapping = map(jnp.asarray, (key, value, kv_cache, slot_mapping))
+    checks.kv_cache_update(key, value, kv_cache, slot_mapping)
+    slots = _concrete(slot_mapping)
+    if slots is not None:
+        checks.kv_slot_values(slots, kv_cache.shape[0] * kv_cache.shape[1])
+    call = jax.ffi.ffi_call(KV_CACHE_UPDATE_TARGET,
+                            jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+                            input_output_aliases={2: 0})
+    return call(key, value, kv_cache, slot_mapping)
+
+
+def kv_cache_update_slices(kv, slices, kv_cache, num_slices, page_size, num_slices_per_block):
+    """vLLM's `kv_cache_update`: for each of the first num_slices[0] columns
+    (cache_start, new_kv_start, length) of `slices` (int32 [3, max_slices]), copies rows
+    kv[new_kv_start:+length] into kv_cache[cache_start:+length]. kv [num_tokens,
+    num_combined_heads, head_size]; kv_cache [num_pages * page_size, num_combined_heads,
+    head_size]. Returns the updated cache, aliased to `kv_cache` (donate it)."""
+    kv, slices, kv_cache, num_slices = map(jnp.asarray, (kv, slices, kv_cache, num_slices))
+    checks.kv_cache_update_slices(kv, slices, kv_cache, num_slices, page_size,
+                                  num_slices_per_block)
+    table, count = _concrete(slices), _concrete(num_slices)
+    if table is not None and count is not None:
+        checks.slice_values(table, count, kv.shape[0], kv_cache.shape[0])
+    call = jax.ffi.ffi_call(KV_CACHE_UPDATE_SLICES_TARGET,
+                            jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+                            input_output_aliases={2: 0})
+    return call(kv, slices, kv_cache, num_slices, page_size=np.int64(page_size),
+                num_slices_per_block=np.int64(num_slices_per_block))

@@ -37,7 +37,15 @@ def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     value_cache.copy_(new_value_cache)
 
 
+def _kv_cache_update(key, value, kv_cache, slot_mapping):
+    kv_cache.copy_(torch.ops.xla_ext.kv_cache_update_functional(key, value, kv_cache,
+                                                                slot_mapping))
+
+
 jaten.op(torch.ops.xla_ext.simple_add.default)(xla_ext_jax.simple_add)
 jaten.op(torch.ops.xla_ext.paged_attention.default)(_paged_attention)
 jaten.op(torch.ops.xla_ext.reshape_and_cache_functional.default)(_reshape_and_cache_functional)
 jaten.op(torch.ops.xla_ext.reshape_and_cache.default, is_jax_function=False)(_reshape_and_cache)
+jaten.op(torch.ops.xla_ext.kv_cache_update_functional.default)(xla_ext_jax.kv_cache_update)
+jaten.op(torch.ops.xla_ext.kv_cache_update.default, is_jax_function=False)(_kv_cache_update)
+jaten.op(torch.ops.xla.kv_cache_update_op.default)(xla_ext_jax.kv_cache_update_slices)

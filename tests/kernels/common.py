@@ -27,19 +27,24 @@ TOLERANCES = {
 }
 
 
+# dtypes NumPy has no type of its own for: (torch dtype, JAX dtype, same-width integer type).
+_BIT_CAST = [(torch.bfloat16, jnp.bfloat16, torch.int16, np.int16),
+             (torch.float8_e4m3fn, jnp.float8_e4m3fn, torch.uint8, np.uint8)]
+
+
 def to_jax(t):
     """A torch CPU tensor as a JAX array on the device under test."""
-    if t.dtype == torch.bfloat16:
-        array = t.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
-    else:
-        array = t.contiguous().numpy()
-    return jax.device_put(array, DEVICE)
+    for torch_dtype, jax_dtype, torch_int, _ in _BIT_CAST:
+        if t.dtype == torch_dtype:
+            return jax.device_put(t.contiguous().view(torch_int).numpy().view(jax_dtype), DEVICE)
+    return jax.device_put(t.contiguous().numpy(), DEVICE)
 
 
 def to_torch(x):
     array = np.asarray(x)
-    if array.dtype == jnp.bfloat16:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    for torch_dtype, jax_dtype, _, numpy_int in _BIT_CAST:
+        if array.dtype == jax_dtype:
+            return torch.from_numpy(array.view(numpy_int).copy()).view(torch_dtype)
     return torch.from_numpy(array.copy())
 
 

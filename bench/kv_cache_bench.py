@@ -1,0 +1,175 @@
+"""KV-cache write step time against cache size: does a step cost O(new tokens), not O(cache)?
+
+    python bench/kv_cache_bench.py --frontends torch_xla --out bench/results/cpu-kv-cache.json
+    python bench/kv_cache_bench.py --frontends jax,torchax --out bench/results/h100-kv-cache.json
+
+A step writes NEW_TOKENS tokens' K/V rows (bf16, 8 kv heads, head size 128, page size 16) into
+one combined cache (`kv_pages` layout) with xla_ext.kv_cache_update, as its own executable:
+  torch_xla  torch.ops.xla_ext.kv_cache_update on XLA tensors, then torch_xla.sync() (lazy
+             tensors; the step's graph donates the cache);
+  jax        torch_xla_ext.jax_ops.kv_cache_update under jax.jit with the cache donated;
+  torchax    torch.ops.xla_ext.kv_cache_update under torchax.interop.jax_jit, cache donated.
+Each row: median wall time of a step (host dispatch to result ready) over REPS steps after
+warm-up. Flat across sizes means the cache is updated in place; a copy would add
+cache_bytes / copy bandwidth per step.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+NEW_TOKENS, KV_HEADS, HEAD_SIZE, PAGE_SIZE = 32, 8, 128, 16
+SLOT_BYTES = 2 * KV_HEADS * HEAD_SIZE * 2  # K and V rows of one token, bf16
+REPS, WARMUP = 30, 5
+
+
+def _pages(mib):
+    return max(1, (mib << 20) // (PAGE_SIZE * SLOT_BYTES))
+
+
+def _step_inputs(num_pages, step):
+    gen = torch.Generator().manual_seed(step)
+    key = torch.randn(NEW_TOKENS, KV_HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16)
+    value = torch.randn(NEW_TOKENS, KV_HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_pages * PAGE_SIZE, generator=gen)[:NEW_TOKENS].int()
+    return key, value, slots
+
+
+def _median_step(run_step, num_pages):
+    times = []
+    for step in range(WARMUP + REPS):
+        inputs = _step_inputs(num_pages, step)
+        start = time.perf_counter()
+        run_step(*inputs)
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_xla_step_seconds(num_pages):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import torch_xla_ext  # noqa: F401
+
+    device = torch_xla.device()
+    cache = torch.zeros(num_pages, PAGE_SIZE, 2 * KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16,
+                        device=device)
+    torch_xla.sync()
+
+    def run_step(key, value, slots):
+        torch.ops.xla_ext.kv_cache_update(key.to(device), value.to(device), cache,
+                                          slots.to(device))
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+    seconds = _median_step(run_step, num_pages)
+    last = _step_inputs(num_pages, WARMUP + REPS - 1)
+    _check_last_step(cache.cpu(), *last)
+    return seconds
+
+
+def jax_step_seconds(num_pages):
+    import jax
+    import jax.numpy as jnp
+
+    from torch_xla_ext import jax_ops
+
+    step_fn = jax.jit(jax_ops.kv_cache_update, donate_argnums=(2,))
+    cache = jnp.zeros((num_pages, PAGE_SIZE, 2 * KV_HEADS, HEAD_SIZE), jnp.bfloat16)
+    state = {"cache": cache}
+
+    def run_step(key, value, slots):
+        state["cache"] = step_fn(_to_jax(key), _to_jax(value), state["cache"], _to_jax(slots))
+        state["cache"].block_until_ready()
+
+    seconds = _median_step(run_step, num_pages)
+    got = torch.from_numpy(np.asarray(state["cache"]).view(np.int16).copy()).view(torch.bfloat16)
+    _check_last_step(got, *_step_inputs(num_pages, WARMUP + REPS - 1))
+    return seconds
+
+
+def torchax_step_seconds(num_pages):
+    import jax
+
+    import torch_xla_ext.torchax_ops  # noqa: F401  (before the environment exists)
+    import torchax
+    import torchax.interop
+
+    env = torchax.default_env()
+
+    def write(key, value, cache, slots):
+        torch.ops.xla_ext.kv_cache_update(key, value, cache, slots)
+        return cache
+
+    step_fn = torchax.interop.jax_jit(write, kwargs_for_jax_jit={"donate_argnums": (2,)})
+    with env:
+        state = {"cache": torch.zeros(num_pages, PAGE_SIZE, 2 * KV_HEADS, HEAD_SIZE,
+                                      dtype=torch.bfloat16, device="jax")}
+
+        def run_step(key, value, slots):
+            state["cache"] = step_fn(key.to("jax"), value.to("jax"), state["cache"],
+                                     slots.to("jax"))
+            jax.block_until_ready(state["cache"].jax())
+
+        seconds = _median_step(run_step, num_pages)
+        got = np.asarray(state["cache"].jax())
+    got = torch.from_numpy(got.view(np.int16).copy()).view(torch.bfloat16)
+    _check_last_step(got, *_step_inputs(num_pages, WARMUP + REPS - 1))
+    return seconds
+
+
+def _to_jax(t):
+    import jax
+
+    array = t.view(torch.int16).numpy().view("bfloat16") if t.dtype == torch.bfloat16 \
+        else t.numpy()
+    return jax.device_put(array)
+
+
+def _check_last_step(cache, key, value, slots):
+    """The last step's rows are in the cache: the timed steps did write."""
+    rows = cache.reshape(-1, 2 * KV_HEADS, HEAD_SIZE)[slots.long()]
+    assert torch.equal(rows[:, 0::2], key) and torch.equal(rows[:, 1::2], value), \
+        "the last step's K/V rows are not in the cache"
+
+
+FRONTENDS = {"torch_xla": torch_xla_step_seconds, "jax": jax_step_seconds,
+             "torchax": torchax_step_seconds}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--frontends", default="torch_xla")
+    parser.add_argument("--sizes-mib", default="4,64,512,2048")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rows = []
+    for frontend in args.frontends.split(","):
+        for mib in map(int, args.sizes_mib.split(",")):
+            num_pages = _pages(mib)
+            seconds = FRONTENDS[frontend](num_pages)
+            cache_mib = num_pages * PAGE_SIZE * SLOT_BYTES / 2**20
+            rows.append({"op": "kv_cache_update_step", "impl": frontend,
+                         "shape": f"cache={cache_mib:.0f}MiB,tokens={NEW_TOKENS}",
+                         "cache_bytes": num_pages * PAGE_SIZE * SLOT_BYTES,
+                         "time_us": round(seconds * 1e6, 1)})
+            print(f"{frontend:10} cache {cache_mib:7.0f} MiB: {seconds * 1e6:10.1f} us per step",
+                  flush=True)
+        times = [r["time_us"] for r in rows if r["impl"] == frontend]
+        print(f"{frontend:10} largest / smallest cache: {times[-1] / times[0]:.2f}")
+    with open(args.out, "w") as f:
+        json.dump({"machine": platform.node(), "new_tokens": NEW_TOKENS, "rows": rows}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+// Writes new K/V rows into the combined paged cache of xla_ext.ragged_paged_attention
+// (`kv_pages`: [num_pages, page_size, 2 * num_kv_heads, head_size], K of kv head h at combined
+// head 2h, V at 2h + 1), in place. Two targets, one per addressing scheme:
+//
+// xla_ext.kv_cache_update (by slot, like reshape_and_cache):
+//   key, value     [num_tokens, num_kv_heads, head_size]           any dtype, the cache's
+//   kv_cache       [num_pages, page_size, 2 * num_kv_heads, head_size]
+//   slot_mapping   [num_tokens] s32: slot = page * page_size + offset; < 0 skips the token
+//   result         kv_cache_out (aliased to kv_cache by callers)
+//
+// xla_ext.kv_cache_update_slices (vLLM's `kv_cache_update_op`):
+//   kv             [num_tokens, num_combined_heads, head_size]     K/V already interleaved
+//   slices         [3, max_slices] s32: column i = (cache_start, new_kv_start, length)
+//   kv_cache       [num_cache_rows, num_combined_heads, head_size]  (pages flattened)
+//   num_slices     [1] s32: the first num_slices[0] columns are used
+//   attrs          page_size, num_slices_per_block (i64; Pallas tiling in vLLM: checked > 0,
+//                  page_size must divide num_cache_rows)
+//   result         kv_cache_out (aliased to kv_cache by callers)
+//   Slice i copies kv rows [new_kv_start, +length) to cache rows [cache_start, +length).
+//
+// The data (slots, slices) is checked on the Host before anything is written: one bad entry
+// fails the call with InvalidArgument naming it and leaves the cache unchanged. CUDA cannot
+// report it without synchronising: a slot >= num_slots skips its token, a slice reaching out
+// of either buffer (or with num_slices beyond max_slices) is skipped; nothing is ever written
+// out of bounds. When XLA gives the result a buffer of its own (no aliasing), the cache is
+// copied into it first.
+#ifndef XLA_EXT_KERNELS_KV_CACHE_UPDATE_KV_CACHE_UPDATE_H_
+#define XLA_EXT_KERNELS_KV_CACHE_UPDATE_KV_CACHE_UPDATE_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "kernels/common/errors.h"
+
+namespace xla_ext::kv_cache_update {
+
+inline constexpr char kTarget[] = "xla_ext.kv_cache_update";
+inline constexpr char kSlicesTarget[] = "xla_ext.kv_cache_update_slices";
+
+struct SlotShapes {
+  int64_t num_tokens;
+  int64_t num_slots;        // num_pages * page_size
+  int64_t num_kv_heads;
+  int64_t row_bytes;        // one head's row: head_size elements
+};
+
+inline ffi::Error CheckSlots(const ffi::AnyBuffer& key, const ffi::AnyBuffer& value,
+                             const ffi::AnyBuffer& kv_cache, const ffi::AnyBuffer& slot_mapping,
+                             const ffi::AnyBuffer& kv_cache_out, SlotShapes& shapes) {
+  const ffi::DataType dtype = kv_cache.element_type();
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "kv_cache", kv_cache, 4));
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "key", key, 3));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "key", key, dtype));
+  XLA_EXT_RETURN_IF_ERROR(CheckSameShape(kTarget, "value", value, "key", key));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "value", value, dtype));
+  const auto k = key.dimensions();
+  const auto c = kv_cache.dimensions();
+  if (c[2] != 2 * k[1] || c[3] != k[2]) {
+    return ArgumentError(kTarget, "kv_cache",
+                         "shape [num_pages, page_size, " + std::to_string(2 * k[1]) + ", " +
+                             std::to_string(k[2]) + "] (2 * num_kv_heads, head_size of key)",
+                         "shape " + ShapeString(c));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "slot_mapping", slot_mapping, ffi::DataType::S32));
+  if (slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != k[0]) {
+    return ArgumentError(kTarget, "slot_mapping", "shape [" + std::to_string(k[0]) + "]",
+                         "shape " + ShapeString(slot_mapping.dimensions()));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckSameShape(kTarget, "kv_cache_out", kv_cache_out, "kv_cache",
+                                         kv_cache));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "kv_cache_out", kv_cache_out, dtype));
+  shapes = SlotShapes{k[0], c[0] * c[1], k[1],
+                      static_cast<int64_t>(k[2] * ffi::ByteWidth(dtype))};
+  return ffi::Error::Success();
+}
+
+struct SliceShapes {
+  int64_t num_new_rows;    // rows of kv
+  int64_t num_cache_rows;  // rows of kv_cache
+  int64_t max_slices;
+  int64_t row_bytes;       // one row: num_combined_heads * head_size elements
+};
+
+inline ffi::Error CheckSlices(const ffi::AnyBuffer& kv, const ffi::AnyBuffer& slices,
+                              const ffi::AnyBuffer& kv_cache, const ffi::AnyBuffer& num_slices,
+                              int64_t page_size, int64_t num_slices_per_block,
+                              const ffi::AnyBuffer& kv_cache_out, SliceShapes& shapes) {
+  const ffi::DataType dtype = kv_cache.element_type();
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(kSlicesTarget, "kv_cache", kv_cache, 3));
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(kSlicesTarget, "kv", kv, 3));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "kv", kv, dtype));
+  const auto n = kv.dimensions();
+  const auto c = kv_cache.dimensions();
+  if (c[1] != n[1] || c[2] != n[2]) {
+    return ArgumentError(kSlicesTarget, "kv_cache",
+                         "shape [num_cache_rows, " + std::to_string(n[1]) + ", " +
+                             std::to_string(n[2]) + "] (num_combined_heads, head_size of kv)",
+                         "shape " + ShapeString(c));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "slices", slices, ffi::DataType::S32));
+  if (slices.dimensions().size() != 2 || slices.dimensions()[0] != 3) {
+    return ArgumentError(kSlicesTarget, "slices",
+                         "shape [3, max_slices] (cache_start, new_kv_start, length)",
+                         "shape " + ShapeString(slices.dimensions()));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "num_slices", num_slices,
+                                     ffi::DataType::S32));
+  if (num_slices.element_count() != 1) {
+    return ArgumentError(kSlicesTarget, "num_slices", "one element",
+                         "shape " + ShapeString(num_slices.dimensions()));
+  }
+  if (page_size <= 0 || c[0] % page_size != 0) {
+    return ArgumentError(kSlicesTarget, "page_size",
+                         "a positive divisor of num_cache_rows = " + std::to_string(c[0]),
+                         std::to_string(page_size));
+  }
+  if (num_slices_per_block <= 0) {
+    return ArgumentError(kSlicesTarget, "num_slices_per_block", "a positive integer",
+                         std::to_string(num_slices_per_block));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckSameShape(kSlicesTarget, "kv_cache_out", kv_cache_out,
+                                         "kv_cache", kv_cache));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "kv_cache_out", kv_cache_out, dtype));
+  shapes = SliceShapes{n[0], c[0], slices.dimensions()[1],
+                       static_cast<int64_t>(n[1] * n[2] * ffi::ByteWidth(dtype))};
+  return ffi::Error::Success();
+}
+
+// Both platforms bind the same arguments, attributes and results, after their contexts.
+template <typename Binding>
+auto BindSlots(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // key
+      .template Arg<ffi::AnyBuffer>()  // value
+      .template Arg<ffi::AnyBuffer>()  // kv_cache
+      .template Arg<ffi::AnyBuffer>()  // slot_mapping
+      .template Ret<ffi::AnyBuffer>();  // kv_cache_out
+}
+
+template <typename Binding>
+auto BindSlices(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // kv
+      .template Arg<ffi::AnyBuffer>()  // slices
+      .template Arg<ffi::AnyBuffer>()  // kv_cache
+      .template Arg<ffi::AnyBuffer>()  // num_slices
+      .template Attr<int64_t>("num_slices_per_block")
+      .template Attr<int64_t>("page_size")
+      .template Ret<ffi::AnyBuffer>();  // kv_cache_out
+}
+
+}  // namespace xla_ext::kv_cache_update
+
+#endif  // XLA_EXT_KERNELS_KV_CACHE_UPDATE_KV_CACHE_UPDATE_H_

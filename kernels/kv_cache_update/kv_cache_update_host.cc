@@ -1,0 +1,103 @@
+// Host (CPU) xla_ext.kv_cache_update and xla_ext.kv_cache_update_slices: every slot or slice
+// is checked first, so a bad one leaves the cache untouched; then rows are copied.
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "kernels/kv_cache_update/kv_cache_update.h"
+#include "xla_ext/registry.h"
+
+namespace xla_ext::kv_cache_update {
+namespace {
+
+// The result starts as the cache (a no-op when XLA aliased them).
+char* StartFromCache(const ffi::AnyBuffer& kv_cache, ffi::AnyBuffer& kv_cache_out) {
+  char* dst = static_cast<char*>(kv_cache_out.untyped_data());
+  if (dst != kv_cache.untyped_data() && kv_cache.size_bytes() > 0) {
+    std::memcpy(dst, kv_cache.untyped_data(), kv_cache.size_bytes());
+  }
+  return dst;
+}
+
+ffi::Error KvCacheUpdateHost(ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::AnyBuffer kv_cache,
+                             ffi::AnyBuffer slot_mapping,
+                             ffi::Result<ffi::AnyBuffer> kv_cache_out) {
+  SlotShapes s;
+  XLA_EXT_RETURN_IF_ERROR(CheckSlots(key, value, kv_cache, slot_mapping, *kv_cache_out, s));
+  const auto* slots = static_cast<const int32_t*>(slot_mapping.untyped_data());
+  for (int64_t i = 0; i < s.num_tokens; ++i) {
+    if (slots[i] >= s.num_slots) {
+      return ArgumentError(kTarget, "slot_mapping",
+                           "slots < num_pages * page_size = " + std::to_string(s.num_slots) +
+                               " (negative to skip)",
+                           "slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]));
+    }
+  }
+  char* cache = StartFromCache(kv_cache, *kv_cache_out);
+  const auto* k = static_cast<const char*>(key.untyped_data());
+  const auto* v = static_cast<const char*>(value.untyped_data());
+  const int64_t token_bytes = s.num_kv_heads * s.row_bytes;
+  for (int64_t i = 0; i < s.num_tokens; ++i) {
+    if (slots[i] < 0) continue;
+    char* slot = cache + slots[i] * 2 * token_bytes;  // 2 * num_kv_heads rows per slot
+    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+      std::memcpy(slot + (2 * h) * s.row_bytes, k + i * token_bytes + h * s.row_bytes,
+                  s.row_bytes);
+      std::memcpy(slot + (2 * h + 1) * s.row_bytes, v + i * token_bytes + h * s.row_bytes,
+                  s.row_bytes);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error KvCacheUpdateSlicesHost(ffi::AnyBuffer kv, ffi::AnyBuffer slices,
+                                   ffi::AnyBuffer kv_cache, ffi::AnyBuffer num_slices,
+                                   int64_t num_slices_per_block, int64_t page_size,
+                                   ffi::Result<ffi::AnyBuffer> kv_cache_out) {
+  SliceShapes s;
+  XLA_EXT_RETURN_IF_ERROR(CheckSlices(kv, slices, kv_cache, num_slices, page_size,
+                                      num_slices_per_block, *kv_cache_out, s));
+  const int64_t count = *static_cast<const int32_t*>(num_slices.untyped_data());
+  if (count < 0 || count > s.max_slices) {
+    return ArgumentError(kSlicesTarget, "num_slices",
+                         "a count in [0, max_slices = " + std::to_string(s.max_slices) + "]",
+                         "num_slices[0] = " + std::to_string(count));
+  }
+  const auto* table = static_cast<const int32_t*>(slices.untyped_data());
+  const int32_t* cache_start = table;
+  const int32_t* new_start = table + s.max_slices;
+  const int32_t* length = table + 2 * s.max_slices;
+  for (int64_t i = 0; i < count; ++i) {
+    const bool fits = length[i] >= 0 && cache_start[i] >= 0 && new_start[i] >= 0 &&
+                      cache_start[i] + int64_t{length[i]} <= s.num_cache_rows &&
+                      new_start[i] + int64_t{length[i]} <= s.num_new_rows;
+    if (!fits) {
+      const std::string at = "[" + std::to_string(i) + "]";
+      return ArgumentError(
+          kSlicesTarget, "slices",
+          "slices within kv (" + std::to_string(s.num_new_rows) + " rows) and kv_cache (" +
+              std::to_string(s.num_cache_rows) + " rows)",
+          "cache_start" + at + " = " + std::to_string(cache_start[i]) + ", new_kv_start" + at +
+              " = " + std::to_string(new_start[i]) + ", length" + at + " = " +
+              std::to_string(length[i]));
+    }
+  }
+  char* cache = StartFromCache(kv_cache, *kv_cache_out);
+  const auto* rows = static_cast<const char*>(kv.untyped_data());
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(cache + cache_start[i] * s.row_bytes, rows + new_start[i] * s.row_bytes,
+                length[i] * s.row_bytes);
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kKvCacheUpdateHost, KvCacheUpdateHost, BindSlots(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kKvCacheUpdateSlicesHost, KvCacheUpdateSlicesHost,
+                       BindSlices(ffi::Ffi::Bind()));
+
+}  // namespace
+
+XLA_EXT_REGISTER_KERNEL(kTarget, "Host", kKvCacheUpdateHost, XLA_EXT_NO_TRAITS);
+XLA_EXT_REGISTER_KERNEL(kSlicesTarget, "Host", kKvCacheUpdateSlicesHost, XLA_EXT_NO_TRAITS);
+
+}  // namespace xla_ext::kv_cache_update

@@ -1,0 +1,150 @@
+"""xla_ext.kv_cache_update and xla_ext.kv_cache_update_slices through JAX's XLA against the
+references: bit-exact copies into the combined cache, in place when the cache is donated."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from tests import reference
+from tests.kernels.common import DTYPES, PLATFORM, to_jax, to_torch
+from torch_xla_ext import jax_ops as xla_ext_jax
+from torch_xla_ext.errors import TorchXlaExtError
+
+CACHE_DTYPES = DTYPES + [torch.float8_e4m3fn]
+
+
+def make_slot_inputs(num_tokens, num_kv_heads, head_size, num_pages, page_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    kv_cache = torch.randn(num_pages, page_size, 2 * num_kv_heads, head_size,
+                           generator=gen).to(dtype)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].int()
+    slots[::3] = -1  # every third token skipped
+    return key, value, kv_cache, slots
+
+
+def run_slots(inputs, jit=True):
+    fn = jax.jit(xla_ext_jax.kv_cache_update) if jit else xla_ext_jax.kv_cache_update
+    return to_torch(fn(*map(to_jax, inputs)))
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def assert_same(got, want):
+    assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_kv_heads,head_size,num_pages,page_size", [
+    (1, 1, 64, 1, 8),
+    (10, 2, 128, 4, 16),
+    (33, 8, 80, 9, 32),
+    (5, 3, 6, 2, 4),  # rows not a multiple of 16 bytes (narrower copies on CUDA)
+])
+def test_slots_match_reference(num_tokens, num_kv_heads, head_size, num_pages, page_size, dtype):
+    inputs = make_slot_inputs(num_tokens, num_kv_heads, head_size, num_pages, page_size, dtype)
+    assert_same(run_slots(inputs), reference.kv_cache_update_ref(*inputs))
+
+
+def test_slots_all_skipped_or_none():
+    key, value, kv_cache, slots = make_slot_inputs(6, 2, 64, 3, 8, torch.bfloat16)
+    assert_same(run_slots((key, value, kv_cache, torch.full((6,), -1, dtype=torch.int32))),
+                kv_cache)
+    empty = make_slot_inputs(0, 2, 64, 3, 8, torch.float32)
+    assert_same(run_slots(empty, jit=False), empty[2])
+
+
+def test_slots_in_place_when_donated():
+    key, value, kv_cache, slots = make_slot_inputs(7, 2, 64, 3, 8, torch.float16)
+    cache = jax.numpy.copy(to_jax(kv_cache))  # a buffer XLA owns (device_put may share NumPy's)
+    pointer = cache.unsafe_buffer_pointer()
+    step = jax.jit(xla_ext_jax.kv_cache_update, donate_argnums=(2,))
+    new_cache = step(to_jax(key), to_jax(value), cache, to_jax(slots))
+    assert new_cache.unsafe_buffer_pointer() == pointer and cache.is_deleted()
+    assert_same(to_torch(new_cache), reference.kv_cache_update_ref(key, value, kv_cache, slots))
+
+
+def test_slots_without_aliasing_copy_the_cache():
+    inputs = make_slot_inputs(7, 2, 64, 3, 8, torch.float16)
+    call = jax.ffi.ffi_call(xla_ext_jax.KV_CACHE_UPDATE_TARGET,
+                            jax.ShapeDtypeStruct(tuple(inputs[2].shape), to_jax(inputs[2]).dtype))
+    got = to_torch(jax.jit(call)(*map(to_jax, inputs)))
+    assert_same(got, reference.kv_cache_update_ref(*inputs))
+
+
+def test_slot_out_of_range():
+    key, value, kv_cache, _ = make_slot_inputs(4, 2, 64, 2, 8, torch.float32)
+    slots = torch.tensor([0, 16, 3, -1], dtype=torch.int32)  # 16 == num_pages * page_size
+    with pytest.raises(TorchXlaExtError, match=r"argument 'slot_mapping'.*slot_mapping\[1\] = 16"):
+        run_slots((key, value, kv_cache, slots), jit=False)
+    if PLATFORM == "cpu":
+        with pytest.raises(Exception, match="argument 'slot_mapping'"):
+            run_slots((key, value, kv_cache, slots))
+    else:  # CUDA skips the token (kernels/kv_cache_update/kv_cache_update.h)
+        want = reference.kv_cache_update_ref(key, value, kv_cache,
+                                             torch.tensor([0, -1, 3, -1], dtype=torch.int32))
+        assert_same(run_slots((key, value, kv_cache, slots)), want)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda k, v, c, s: (k, v, c, s.long()), "argument 'slot_mapping': expected dtype int32"),
+    (lambda k, v, c, s: (k.half(), v.half(), c, s),
+     r"argument 'key': expected dtype float32 \(the dtype of 'kv_cache'\)"),
+    (lambda k, v, c, s: (k, v, c[:, :, :3], s),
+     r"argument 'kv_cache': expected \[2 \* num_kv_heads, head_size\] = \[4, 64\]"),
+    (lambda k, v, c, s: (k, v[:2], c, s), r"argument 'value': expected shape \[4, 2, 64\]"),
+    (lambda k, v, c, s: (k, v, c, s[:3]), r"argument 'slot_mapping': expected shape \[4\]"),
+])
+def test_slot_bad_arguments(change, message):
+    inputs = change(*make_slot_inputs(4, 2, 64, 2, 8, torch.float32))
+    with pytest.raises(TorchXlaExtError, match=message):
+        xla_ext_jax.kv_cache_update(*map(to_jax, inputs))
+
+
+def make_slice_inputs(dtype, num_combined_heads=4, head_size=64, num_pages=6, page_size=8,
+                      seed=0):
+    """Three sequences' new tokens (5, 1 and 11 of them), each split at page boundaries into
+    slices as vLLM does, plus padding columns that num_slices leaves unused."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(17, num_combined_heads, head_size, generator=gen).to(dtype)
+    kv_cache = torch.randn(num_pages * page_size, num_combined_heads, head_size,
+                           generator=gen).to(dtype)
+    columns = [(3, 0, 5), (13, 5, 1), (22, 6, 2), (24, 8, 8), (32, 16, 1)]
+    slices = torch.full((3, 8), 123, dtype=torch.int32)  # junk past num_slices
+    slices[:, :len(columns)] = torch.tensor(columns, dtype=torch.int32).T
+    return kv, slices, kv_cache, torch.tensor([len(columns)], dtype=torch.int32)
+
+
+def run_slices(inputs, page_size=8, jit=True):
+    fn = lambda *a: xla_ext_jax.kv_cache_update_slices(*a, page_size, 4)  # noqa: E731
+    return to_torch((jax.jit(fn) if jit else fn)(*map(to_jax, inputs)))
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+def test_slices_match_reference(dtype):
+    inputs = make_slice_inputs(dtype)
+    assert_same(run_slices(inputs), reference.kv_cache_update_slices_ref(*inputs))
+
+
+def test_slices_bad_values():
+    kv, slices, kv_cache, num_slices = make_slice_inputs(torch.float32)
+    reaching_out = slices.clone()
+    reaching_out[:, 1] = torch.tensor([47, 5, 2])  # rows 47..48 of a 48-row cache
+    with pytest.raises(TorchXlaExtError, match=r"argument 'slices'.*cache_start\[1\] = 47"):
+        run_slices((kv, reaching_out, kv_cache, num_slices), jit=False)
+    with pytest.raises(TorchXlaExtError, match=r"argument 'num_slices'.*num_slices\[0\] = 9"):
+        run_slices((kv, slices, kv_cache, torch.tensor([9], dtype=torch.int32)), jit=False)
+    if PLATFORM == "cpu":
+        with pytest.raises(Exception, match="argument 'slices'"):
+            run_slices((kv, reaching_out, kv_cache, num_slices))
+    else:  # CUDA skips that slice
+        want_slices = slices.clone()
+        want_slices[2, 1] = 0
+        assert_same(run_slices((kv, reaching_out, kv_cache, num_slices)),
+                    reference.kv_cache_update_slices_ref(kv, want_slices, kv_cache, num_slices))
+    with pytest.raises(TorchXlaExtError, match="argument 'page_size': expected a positive divisor"):
+        run_slices((kv, slices, kv_cache, num_slices), page_size=7)
