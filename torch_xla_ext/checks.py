@@ -7,15 +7,12 @@ everywhere. The value checks take NumPy arrays, where a front end has the values
 
 import numpy as np
 
+from torch_xla_ext.dtypes import CACHE_DTYPES, FLOAT_DTYPES
+from torch_xla_ext.dtypes import name as dtype_name
 from torch_xla_ext.errors import TorchXlaExtError
 
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
-
-
-def dtype_name(x):
-    return str(x.dtype).replace("torch.", "")
 
 
 def _fail(op, arg, expected, actual):
@@ -32,15 +29,15 @@ def _check_rank(op, arg, x, rank, layout):
 
 
 def _check_dtype(op, arg, x, allowed):
-    if dtype_name(x) not in allowed:
+    if dtype_name(x.dtype) not in allowed:
         names = ", ".join(allowed[:-1]) + " or " + allowed[-1] if len(allowed) > 1 else allowed[0]
-        _fail(op, arg, "dtype " + names, f"dtype {dtype_name(x)}")
+        _fail(op, arg, "dtype " + names, f"dtype {dtype_name(x.dtype)}")
 
 
 def _check_same_dtype(op, arg, x, ref_arg, ref):
-    if dtype_name(x) != dtype_name(ref):
-        _fail(op, arg, f"dtype {dtype_name(ref)} (the dtype of '{ref_arg}')",
-              f"dtype {dtype_name(x)}")
+    if dtype_name(x.dtype) != dtype_name(ref.dtype):
+        _fail(op, arg, f"dtype {dtype_name(ref.dtype)} (the dtype of '{ref_arg}')",
+              f"dtype {dtype_name(x.dtype)}")
 
 
 def _check_same(op, arg, x, ref_arg, ref):
@@ -138,10 +135,6 @@ def slot_values(slot_mapping, num_slots):
               f"slot_mapping[{i}] = {slot_mapping[i]}")
 
 
-# The dtypes a KV cache may hold: the float types, and fp8 (e4m3) for quantised caches.
-CACHE_DTYPES = FLOAT_DTYPES + ("float8_e4m3fn",)
-
-
 def kv_cache_update(key, value, kv_cache, slot_mapping):
     op = "xla_ext.kv_cache_update"
     _check_rank(op, "kv_cache", kv_cache, 4,
@@ -159,7 +152,9 @@ def kv_cache_update(key, value, kv_cache, slot_mapping):
         _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")
 
 
-def kv_cache_update_slices(kv, slices, kv_cache, num_slices, page_size, num_slices_per_block):
+def kv_cache_update_slices(kv, slot_mapping, kv_cache, num_kv_update_slices, page_size,
+                           num_slices_per_block):
+    """vLLM's names: `slot_mapping` holds the slices, int32 [3, max_slices]."""
     op = "xla_ext.kv_cache_update_slices"
     _check_rank(op, "kv_cache", kv_cache, 3,
                 "[num_pages * page_size, num_combined_heads, head_size]")
@@ -169,13 +164,13 @@ def kv_cache_update_slices(kv, slices, kv_cache, num_slices, page_size, num_slic
     if _shape(kv_cache)[1:] != _shape(kv)[1:]:
         _fail(op, "kv_cache", f"[num_combined_heads, head_size] = {_shape(kv)[1:]} in "
               "dimensions 1-2 (as 'kv')", f"shape {_shape(kv_cache)}")
-    _check_dtype(op, "slices", slices, ("int32",))
-    if len(slices.shape) != 2 or _shape(slices)[0] != 3:
-        _fail(op, "slices", "shape [3, max_slices] (cache_start, new_kv_start, length)",
-              f"shape {_shape(slices)}")
-    _check_dtype(op, "num_slices", num_slices, ("int32",))
-    if _shape(num_slices) != [1]:
-        _fail(op, "num_slices", "shape [1]", f"shape {_shape(num_slices)}")
+    _check_dtype(op, "slot_mapping", slot_mapping, ("int32",))
+    if len(slot_mapping.shape) != 2 or _shape(slot_mapping)[0] != 3:
+        _fail(op, "slot_mapping", "shape [3, max_slices] (cache_start, new_kv_start, length)",
+              f"shape {_shape(slot_mapping)}")
+    _check_dtype(op, "num_kv_update_slices", num_kv_update_slices, ("int32",))
+    if _shape(num_kv_update_slices) != [1]:
+        _fail(op, "num_kv_update_slices", "shape [1]", f"shape {_shape(num_kv_update_slices)}")
     rows = _shape(kv_cache)[0]
     if not isinstance(page_size, int) or page_size <= 0 or rows % page_size:
         _fail(op, "page_size", f"a positive divisor of num_cache_rows = {rows}", f"{page_size}")
@@ -192,18 +187,19 @@ def kv_slot_values(slot_mapping, num_slots):
               f"slot_mapping[{i}] = {slot_mapping[i]}")
 
 
-def slice_values(slices, num_slices, num_new_rows, num_cache_rows):
-    """The first num_slices columns of `slices` lie within kv and the cache."""
+def slice_values(slot_mapping, num_kv_update_slices, num_new_rows, num_cache_rows):
+    """The first num_kv_update_slices[0] columns (cache_start, new_kv_start, length) of
+    slot_mapping lie within kv and the cache."""
     op = "xla_ext.kv_cache_update_slices"
-    count = int(num_slices[0])
-    if not 0 <= count <= slices.shape[1]:
-        _fail(op, "num_slices", f"a count in [0, max_slices = {slices.shape[1]}]",
-              f"num_slices[0] = {count}")
-    start, new_start, length = (slices[r, :count].astype(np.int64) for r in range(3))
+    count = int(num_kv_update_slices[0])
+    if not 0 <= count <= slot_mapping.shape[1]:
+        _fail(op, "num_kv_update_slices", f"a count in [0, max_slices = {slot_mapping.shape[1]}]",
+              f"num_kv_update_slices[0] = {count}")
+    start, new_start, length = (slot_mapping[r, :count].astype(np.int64) for r in range(3))
     bad = np.flatnonzero((length < 0) | (start < 0) | (new_start < 0) |
                          (start + length > num_cache_rows) | (new_start + length > num_new_rows))
     if bad.size:
         i = int(bad[0])
-        _fail(op, "slices", f"slices within kv ({num_new_rows} rows) and kv_cache "
+        _fail(op, "slot_mapping", f"slices within kv ({num_new_rows} rows) and kv_cache "
               f"({num_cache_rows} rows)", f"cache_start[{i}] = {start[i]}, new_kv_start[{i}] = "
               f"{new_start[i]}, length[{i}] = {length[i]}")

@@ -16,6 +16,8 @@ import threading
 import numpy as np
 import torch
 
+from torch_xla_ext import dtypes
+from torch_xla_ext.dtypes import DTYPES
 from torch_xla_ext.errors import JAX_INSTALL, TorchXlaExtError, import_dependency
 
 API_VERSION_STATUS_RETURNING = 2
@@ -25,17 +27,9 @@ API_VERSIONS = (1, 2, 3, 4)
 # torch_xla 2.8's `_xla_gpu_custom_call` always called this target, with the legacy ABI.
 LEGACY_GPU_TARGET = "triton_kernel_call"
 
-_TENSOR_ELEMENT_TYPES = {
-    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-    torch.uint8: "ui8", torch.bool: "i1", torch.float8_e4m3fn: "f8E4M3FN",
-}
-_MLIR_NUMPY_TYPES = {
-    np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",
-    np.dtype(np.int8): "i8", np.dtype(np.int16): "i16", np.dtype(np.int32): "i32",
-    np.dtype(np.int64): "i64", np.dtype(np.uint8): "ui8", np.dtype(np.uint16): "ui16",
-    np.dtype(np.uint32): "ui32", np.dtype(np.uint64): "ui64", np.dtype(np.bool_): "i1",
-}
+# Attribute types: NumPy scalar and array types by the dtype table (no i1 arrays).
+_MLIR_NUMPY_TYPES = {np.dtype(n): d.mlir for n, d in DTYPES.items()
+                     if n in np.sctypeDict and not n.startswith(("float8", "bfloat16"))}
 
 
 def _mlir_string(text):
@@ -113,10 +107,11 @@ def mlir_dictionary(attrs, prefix=""):
 
 
 def _tensor_type(shape, dtype, what):
-    element = _TENSOR_ELEMENT_TYPES.get(dtype)
-    if element is None:
+    entry = dtypes.lookup(dtype)
+    if entry is None:
         raise TorchXlaExtError(f"{what}: dtype {dtype} is not supported; expected one of "
-                               f"{', '.join(str(d) for d in _TENSOR_ELEMENT_TYPES)}")
+                               f"{', '.join(DTYPES)}")
+    element = entry.mlir
     dims = [int(d) for d in shape]
     if any(d < 0 for d in dims):
         raise TorchXlaExtError(f"{what}: expected non-negative dimensions, got {dims}")

@@ -10,16 +10,12 @@ import os
 
 import torch
 
-from torch_xla_ext import _kernels, binders
+from torch_xla_ext import _kernels, binders, dtypes
 from torch_xla_ext.errors import TorchXlaExtError
 
-_FFI_DTYPES = {
-    torch.bool: 1, torch.int8: 2, torch.int16: 3, torch.int32: 4, torch.int64: 5,
-    torch.uint8: 6, torch.float16: 10, torch.float32: 11, torch.float64: 12, torch.bfloat16: 16,
-    torch.float8_e4m3fn: 20,
-}
-_ATTR_DTYPES = {"f32": (11, ctypes.c_float), "f64": (12, ctypes.c_double),
-                "i32": (4, ctypes.c_int32), "i64": (5, ctypes.c_int64), "pred": (1, ctypes.c_bool)}
+# Scalar attribute types the runtime passes, by the dtype table's names.
+_ATTR_CTYPES = {"float32": ctypes.c_float, "float64": ctypes.c_double, "int32": ctypes.c_int32,
+                "int64": ctypes.c_int64, "bool": ctypes.c_bool}
 _PLATFORMS = {"cpu": "Host", "cuda": "CUDA"}
 
 
@@ -62,24 +58,24 @@ def _buffers(tensors, keep):
     for i, t in enumerate(tensors):
         dims = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
         keep.append(dims)
-        array[i] = _Buffer(_FFI_DTYPES[t.dtype], t.data_ptr(), t.dim(), dims)
+        array[i] = _Buffer(dtypes.lookup(t.dtype).ffi_id, t.data_ptr(), t.dim(), dims)
     return array
 
 
 def _attrs(attrs, keep):
     array = (_Attr * len(attrs))()
     for i, name in enumerate(sorted(attrs)):  # XLA passes attributes sorted by name
-        mlir_type, value = attrs[name]
-        if mlir_type == "str":
+        value = attrs[name]
+        if isinstance(value, str):
             data = value.encode()
             keep.append(data)
             array[i] = _Attr(name.encode(), -1, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p),
                              len(data))
         else:
-            dtype, ctype = _ATTR_DTYPES[mlir_type]
-            scalar = ctype(value)
+            dtype = dtypes.name(value.dtype)
+            scalar = _ATTR_CTYPES[dtype](value.item())
             keep.append(scalar)
-            array[i] = _Attr(name.encode(), dtype, ctypes.addressof(scalar), 0)
+            array[i] = _Attr(name.encode(), dtypes.DTYPES[dtype].ffi_id, ctypes.addressof(scalar), 0)
     return array
 
 
@@ -99,7 +95,7 @@ def _cuda_allocator(device):
 def run(target, inputs, outputs, attrs=None):
     """Runs `target`'s handler for the tensors' device on `inputs`, writing `outputs` in place.
 
-    attrs: {name: (type, value)} with type one of "f32", "f64", "i32", "i64", "pred", "str".
+    attrs: {name: a NumPy scalar (float32, float64, int32, int64, bool) or a str}.
     Every tensor must be contiguous and on the same device.
     """
     device = (inputs + outputs)[0].device
@@ -109,7 +105,7 @@ def run(target, inputs, outputs, attrs=None):
                 raise TorchXlaExtError(f"{what}[{i}]: expected a tensor on {device}, got {t.device}")
             if not t.is_contiguous():
                 raise TorchXlaExtError(f"{what}[{i}]: expected a contiguous tensor")
-            if t.dtype not in _FFI_DTYPES:
+            if dtypes.lookup(t.dtype) is None:
                 raise TorchXlaExtError(f"{what}[{i}]: dtype {t.dtype} is not supported")
     platform = _PLATFORMS.get(device.type)
     if platform is None:

@@ -1,6 +1,6 @@
 """torchax front end: under torchax (PyTorch on JAX), torch.ops.xla_ext.* lower to the JAX
-functions of torch_xla_ext.jax_ops, so PyTorch code runs our kernels inside an XLA graph (on the
-GPU, the CUDA handlers through XLA GPU).
+functions of torch_xla_ext.jax_ops (made from op_catalog.OPS), so PyTorch code runs our
+kernels inside an XLA graph (on the GPU, the CUDA handlers through XLA GPU).
 
 Import this module before torchax's environment is first created (torchax.default_env()).
 """
@@ -15,37 +15,32 @@ jaten = import_dependency(
     "pip install torch_xla==2.9.0 flax==0.12.0 (or a torchax wheel that matches your torch)")
 
 import torch_xla_ext  # noqa: E402,F401  (defines torch.ops.xla_ext)
-from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
+from torch_xla_ext import jax_ops  # noqa: E402
+from torch_xla_ext.op_catalog import OPS  # noqa: E402
 
 
-def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, softcap=0.0,
-                     alibi_slopes=None):
-    return xla_ext_jax.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                       scale, softcap, alibi_slopes)
+def _in_place(op, functional_op):
+    """The in-place op on torchax tensors: its functional variant lowers to JAX (aliasing the
+    written inputs), and copy_ rebinds each written argument to its new value."""
+
+    def write(*args, **kwargs):
+        a = op.bind(args, kwargs)
+        new = functional_op(**a)
+        for name, value in zip(op.written_args(), new if isinstance(new, tuple) else (new,)):
+            a[name].copy_(value)
+
+    return write
 
 
-def _reshape_and_cache_functional(key, value, key_cache, value_cache, slot_mapping):
-    return tuple(xla_ext_jax.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping))
-
-
-def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-    # Called with torchax tensors: the functional op lowers to JAX (input/output aliasing),
-    # and copy_ rebinds the caches to its results.
-    new_key_cache, new_value_cache = torch.ops.xla_ext.reshape_and_cache_functional(
-        key, value, key_cache, value_cache, slot_mapping)
-    key_cache.copy_(new_key_cache)
-    value_cache.copy_(new_value_cache)
-
-
-def _kv_cache_update(key, value, kv_cache, slot_mapping):
-    kv_cache.copy_(torch.ops.xla_ext.kv_cache_update_functional(key, value, kv_cache,
-                                                                slot_mapping))
-
-
-jaten.op(torch.ops.xla_ext.simple_add.default)(xla_ext_jax.simple_add)
-jaten.op(torch.ops.xla_ext.paged_attention.default)(_paged_attention)
-jaten.op(torch.ops.xla_ext.reshape_and_cache_functional.default)(_reshape_and_cache_functional)
-jaten.op(torch.ops.xla_ext.reshape_and_cache.default, is_jax_function=False)(_reshape_and_cache)
-jaten.op(torch.ops.xla_ext.kv_cache_update_functional.default)(xla_ext_jax.kv_cache_update)
-jaten.op(torch.ops.xla_ext.kv_cache_update.default, is_jax_function=False)(_kv_cache_update)
-jaten.op(torch.ops.xla.kv_cache_update_op.default)(xla_ext_jax.kv_cache_update_slices)
+for _op in OPS:
+    _jax_fn = getattr(jax_ops, _op.name)
+    if _op.in_place:
+        _functional = getattr(torch.ops.xla_ext, _op.name + "_functional")
+        jaten.op(_functional.default)(_jax_fn)
+        jaten.op(getattr(torch.ops.xla_ext, _op.name).default,
+                 is_jax_function=False)(_in_place(_op, _functional))
+    else:
+        jaten.op(getattr(torch.ops.xla_ext, _op.name).default)(_jax_fn)
+    if _op.also_as:
+        namespace, name = _op.also_as
+        jaten.op(getattr(getattr(torch.ops, namespace), name).default)(_jax_fn)

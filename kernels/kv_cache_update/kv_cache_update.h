@@ -8,22 +8,22 @@
 //   slot_mapping   [num_tokens] s32: slot = page * page_size + offset; < 0 skips the token
 //   result         kv_cache_out (aliased to kv_cache by callers)
 //
-// xla_ext.kv_cache_update_slices (vLLM's `kv_cache_update_op`):
-//   kv             [num_tokens, num_combined_heads, head_size]     K/V already interleaved
-//   slices         [3, max_slices] s32: column i = (cache_start, new_kv_start, length)
-//   kv_cache       [num_cache_rows, num_combined_heads, head_size]  (pages flattened)
-//   num_slices     [1] s32: the first num_slices[0] columns are used
-//   attrs          page_size, num_slices_per_block (i64; Pallas tiling in vLLM: checked > 0,
-//                  page_size must divide num_cache_rows)
-//   result         kv_cache_out (aliased to kv_cache by callers)
+// xla_ext.kv_cache_update_slices (vLLM's `kv_cache_update_op`, with its argument names):
+//   kv                    [num_tokens, num_combined_heads, head_size]  K/V already interleaved
+//   slot_mapping          [3, max_slices] s32: column i = (cache_start, new_kv_start, length)
+//   kv_cache              [num_cache_rows, num_combined_heads, head_size] (pages flattened)
+//   num_kv_update_slices  [1] s32: the first num_kv_update_slices[0] columns are used
+//   attrs                 page_size, num_slices_per_block (i64; Pallas tiling in vLLM: both
+//                         checked > 0, page_size must divide num_cache_rows)
+//   result                kv_cache_out (aliased to kv_cache by callers)
 //   Slice i copies kv rows [new_kv_start, +length) to cache rows [cache_start, +length).
 //
 // The data (slots, slices) is checked on the Host before anything is written: one bad entry
 // fails the call with InvalidArgument naming it and leaves the cache unchanged. CUDA cannot
 // report it without synchronising: a slot >= num_slots skips its token, a slice reaching out
-// of either buffer (or with num_slices beyond max_slices) is skipped; nothing is ever written
-// out of bounds. When XLA gives the result a buffer of its own (no aliasing), the cache is
-// copied into it first.
+// of either buffer (or every slice, when num_kv_update_slices exceeds max_slices) is skipped;
+// nothing is ever written out of bounds. When XLA gives the result a buffer of its own (no
+// aliasing), the cache is copied into it first.
 #ifndef XLA_EXT_KERNELS_KV_CACHE_UPDATE_KV_CACHE_UPDATE_H_
 #define XLA_EXT_KERNELS_KV_CACHE_UPDATE_KV_CACHE_UPDATE_H_
 
@@ -98,16 +98,16 @@ inline ffi::Error CheckSlices(const ffi::AnyBuffer& kv, const ffi::AnyBuffer& sl
                              std::to_string(n[2]) + "] (num_combined_heads, head_size of kv)",
                          "shape " + ShapeString(c));
   }
-  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "slices", slices, ffi::DataType::S32));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "slot_mapping", slices, ffi::DataType::S32));
   if (slices.dimensions().size() != 2 || slices.dimensions()[0] != 3) {
-    return ArgumentError(kSlicesTarget, "slices",
+    return ArgumentError(kSlicesTarget, "slot_mapping",
                          "shape [3, max_slices] (cache_start, new_kv_start, length)",
                          "shape " + ShapeString(slices.dimensions()));
   }
-  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "num_slices", num_slices,
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "num_kv_update_slices", num_slices,
                                      ffi::DataType::S32));
   if (num_slices.element_count() != 1) {
-    return ArgumentError(kSlicesTarget, "num_slices", "one element",
+    return ArgumentError(kSlicesTarget, "num_kv_update_slices", "one element",
                          "shape " + ShapeString(num_slices.dimensions()));
   }
   if (page_size <= 0 || c[0] % page_size != 0) {

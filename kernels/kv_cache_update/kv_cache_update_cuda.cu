@@ -129,7 +129,7 @@ ffi::Error KvCacheUpdateSlicesCuda(cudaStream_t stream, ffi::AnyBuffer kv, ffi::
   XLA_EXT_RETURN_IF_ERROR(StartFromCache(kSlicesTarget, kv_cache, *kv_cache_out, stream));
   if (s.max_slices == 0 || s.row_bytes == 0) return ffi::Error::Success();
   if (s.max_slices > INT32_MAX) {
-    return ArgumentError(kSlicesTarget, "slices", "fewer than 2^31 columns",
+    return ArgumentError(kSlicesTarget, "slot_mapping", "fewer than 2^31 columns",
                          "shape " + ShapeString(slices.dimensions()));
   }
   const int bytes = WordBytes(reinterpret_cast<uintptr_t>(kv.untyped_data()) |

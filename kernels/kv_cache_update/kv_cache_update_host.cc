@@ -59,9 +59,9 @@ ffi::Error KvCacheUpdateSlicesHost(ffi::AnyBuffer kv, ffi::AnyBuffer slices,
                                       num_slices_per_block, *kv_cache_out, s));
   const int64_t count = *static_cast<const int32_t*>(num_slices.untyped_data());
   if (count < 0 || count > s.max_slices) {
-    return ArgumentError(kSlicesTarget, "num_slices",
+    return ArgumentError(kSlicesTarget, "num_kv_update_slices",
                          "a count in [0, max_slices = " + std::to_string(s.max_slices) + "]",
-                         "num_slices[0] = " + std::to_string(count));
+                         "num_kv_update_slices[0] = " + std::to_string(count));
   }
   const auto* table = static_cast<const int32_t*>(slices.untyped_data());
   const int32_t* cache_start = table;
@@ -74,7 +74,7 @@ ffi::Error KvCacheUpdateSlicesHost(ffi::AnyBuffer kv, ffi::AnyBuffer slices,
     if (!fits) {
       const std::string at = "[" + std::to_string(i) + "]";
       return ArgumentError(
-          kSlicesTarget, "slices",
+          kSlicesTarget, "slot_mapping",
           "slices within kv (" + std::to_string(s.num_new_rows) + " rows) and kv_cache (" +
               std::to_string(s.num_cache_rows) + " rows)",
           "cache_start" + at + " = " + std::to_string(cache_start[i]) + ", new_kv_start" + at +

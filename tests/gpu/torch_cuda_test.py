@@ -60,3 +60,25 @@ def test_opcheck_on_cuda(op):
                                       torch.tensor([5, -1]).cuda()),
     }[op]()
     torch.library.opcheck(getattr(torch.ops.xla_ext, op).default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_kv_cache_update_on_cuda(dtype):
+    g = torch.Generator().manual_seed(1)
+    key = torch.randn(9, 2, 64, generator=g).to(dtype)
+    value = torch.randn(9, 2, 64, generator=g).to(dtype)
+    kv_cache = torch.randn(4, 16, 4, 64, generator=g).to(dtype)
+    slots = torch.tensor([0, -1, 63, 17, 5, 6, 7, 40, 41], dtype=torch.int32)
+    want = reference.kv_cache_update_ref(key, value, kv_cache, slots)
+    on_cuda = kv_cache.cuda()
+    torch.ops.xla_ext.kv_cache_update(key.cuda(), value.cuda(), on_cuda, slots.cuda())
+    assert torch.equal(on_cuda.cpu().view(torch.uint8), want.view(torch.uint8))
+
+    kv = torch.randn(9, 4, 64, generator=g).to(dtype)
+    flat = kv_cache.reshape(64, 4, 64)
+    slices = torch.tensor([[3, 0, 5], [16, 5, 1], [40, 6, 3], [1, 1, 1]], dtype=torch.int32).T
+    num_slices = torch.tensor([3], dtype=torch.int32)
+    want = reference.kv_cache_update_slices_ref(kv, slices.contiguous(), flat, num_slices)
+    got = torch.ops.xla.kv_cache_update_op(kv.cuda(), slices.contiguous().cuda(), flat.cuda(),
+                                           num_slices.cuda(), 16, 8)
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))

@@ -2,13 +2,13 @@
 references: bit-exact copies into the combined cache, in place when the cache is donated."""
 
 import jax
-import numpy as np
 import pytest
 import torch
 
 from tests import reference
 from tests.kernels.common import DTYPES, PLATFORM, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
+from torch_xla_ext import op_catalog
 from torch_xla_ext.errors import TorchXlaExtError
 
 CACHE_DTYPES = DTYPES + [torch.float8_e4m3fn]
@@ -70,7 +70,7 @@ def test_slots_in_place_when_donated():
 
 def test_slots_without_aliasing_copy_the_cache():
     inputs = make_slot_inputs(7, 2, 64, 3, 8, torch.float16)
-    call = jax.ffi.ffi_call(xla_ext_jax.KV_CACHE_UPDATE_TARGET,
+    call = jax.ffi.ffi_call(op_catalog.KV_CACHE_UPDATE.target,
                             jax.ShapeDtypeStruct(tuple(inputs[2].shape), to_jax(inputs[2]).dtype))
     got = to_torch(jax.jit(call)(*map(to_jax, inputs)))
     assert_same(got, reference.kv_cache_update_ref(*inputs))
@@ -134,12 +134,13 @@ def test_slices_bad_values():
     kv, slices, kv_cache, num_slices = make_slice_inputs(torch.float32)
     reaching_out = slices.clone()
     reaching_out[:, 1] = torch.tensor([47, 5, 2])  # rows 47..48 of a 48-row cache
-    with pytest.raises(TorchXlaExtError, match=r"argument 'slices'.*cache_start\[1\] = 47"):
+    with pytest.raises(TorchXlaExtError, match=r"argument 'slot_mapping'.*cache_start\[1\] = 47"):
         run_slices((kv, reaching_out, kv_cache, num_slices), jit=False)
-    with pytest.raises(TorchXlaExtError, match=r"argument 'num_slices'.*num_slices\[0\] = 9"):
+    with pytest.raises(TorchXlaExtError,
+                       match=r"argument 'num_kv_update_slices'.*num_kv_update_slices\[0\] = 9"):
         run_slices((kv, slices, kv_cache, torch.tensor([9], dtype=torch.int32)), jit=False)
     if PLATFORM == "cpu":
-        with pytest.raises(Exception, match="argument 'slices'"):
+        with pytest.raises(Exception, match="argument 'slot_mapping'"):
             run_slices((kv, reaching_out, kv_cache, num_slices))
     else:  # CUDA skips that slice
         want_slices = slices.clone()

@@ -10,6 +10,7 @@ import torch
 from tests import reference
 from tests.kernels.common import DTYPES, PLATFORM, assert_close, replace, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
+from torch_xla_ext import op_catalog
 from torch_xla_ext.errors import TorchXlaExtError
 
 
@@ -163,7 +164,7 @@ def _raw_call(inputs, alibi_slopes):
     """The target called directly, past the Python checks, so the handler's checks run."""
     args = [to_jax(t) for t in inputs] + [to_jax(alibi_slopes)]
     out_type = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
-    call = jax.ffi.ffi_call(xla_ext_jax.PAGED_ATTENTION_TARGET, out_type)
+    call = jax.ffi.ffi_call(op_catalog.PAGED_ATTENTION.target, out_type)
     fn = jax.jit(lambda *a: call(*a, scale=np.float32(0.125), softcap=np.float32(0.0)))
     return jax.block_until_ready(fn(*args))
 

@@ -7,6 +7,7 @@ import torch
 from tests import reference
 from tests.kernels.common import DTYPES, PLATFORM, replace, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
+from torch_xla_ext import op_catalog
 from torch_xla_ext.errors import TorchXlaExtError
 
 
@@ -60,7 +61,7 @@ def test_without_aliasing_copies_the_caches():
     """Results in buffers of their own: the handler copies the caches before writing."""
     inputs = make_inputs(7, 2, 64, 3, 8, torch.float16)
     cache_type = jax.ShapeDtypeStruct(tuple(inputs[2].shape), to_jax(inputs[2]).dtype)
-    call = jax.ffi.ffi_call(xla_ext_jax.RESHAPE_AND_CACHE_TARGET, (cache_type, cache_type))
+    call = jax.ffi.ffi_call(op_catalog.RESHAPE_AND_CACHE.target, (cache_type, cache_type))
     key_cache, value_cache = [to_torch(x) for x in jax.jit(call)(*map(to_jax, inputs))]
     expected_key_cache, expected_value_cache = reference.reshape_and_cache_ref(*inputs)
     assert torch.equal(key_cache, expected_key_cache)
@@ -107,6 +108,6 @@ def test_handler_rejects_bad_arguments(arg, corrupt):
     """The handler's own checks, reached by calling the target directly."""
     inputs = [to_jax(t) for t in corrupt(make_inputs(4, 2, 64, 2, 8, torch.float32))]
     cache_type = jax.ShapeDtypeStruct(inputs[2].shape, inputs[2].dtype)
-    call = jax.ffi.ffi_call(xla_ext_jax.RESHAPE_AND_CACHE_TARGET, (cache_type, cache_type))
+    call = jax.ffi.ffi_call(op_catalog.RESHAPE_AND_CACHE.target, (cache_type, cache_type))
     with pytest.raises(Exception, match=f"argument '{arg}'"):
         jax.block_until_ready(jax.jit(call)(*inputs))

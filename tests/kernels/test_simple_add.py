@@ -7,6 +7,7 @@ import torch
 from tests import reference
 from tests.kernels.common import DTYPES, assert_close, to_jax
 from torch_xla_ext import jax_ops as xla_ext_jax
+from torch_xla_ext import op_catalog
 from torch_xla_ext.errors import TorchXlaExtError
 
 SHAPES = [(), (0,), (7,), (0, 3), (3, 5), (2, 3, 33), (2, 1, 3, 5)]
@@ -43,6 +44,6 @@ def test_rejects_integer_inputs():
 def test_handler_rejects_shape_mismatch():
     """The handler's own check, reached by calling the target directly."""
     a, b = to_jax(torch.ones(3)), to_jax(torch.ones(4))
-    call = jax.ffi.ffi_call(xla_ext_jax.SIMPLE_ADD_TARGET, jax.ShapeDtypeStruct((3,), a.dtype))
+    call = jax.ffi.ffi_call(op_catalog.SIMPLE_ADD.target, jax.ShapeDtypeStruct((3,), a.dtype))
     with pytest.raises(Exception, match="argument 'b'"):
         jax.block_until_ready(jax.jit(call)(a, b))

@@ -9,7 +9,8 @@
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
-#   tools/device/run.sh [all|tests|bench]      (all: both phases; each fits 10 minutes)
+#   tools/device/run.sh [all|tests|bench|kv_cache]   (all: tests and bench; each fits 10 minutes)
+#   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -25,11 +26,19 @@ fi
 TESTS="$OUT/$GPU-tests.txt"
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench ]] || : > "$TESTS"
+[[ $PHASE == bench || $PHASE == kv_cache ]] || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step "build: tools/device/build_kernels.sh"
 tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
+
+if [[ $PHASE == kv_cache ]]; then
+  step "KV-cache write step time against cache size: bench/kv_cache_bench.py"
+  python3 bench/kv_cache_bench.py --frontends jax,torchax --sizes-mib 4,64,512,2048,8192 \
+    --out "$OUT/$GPU-kv-cache.json" 2>&1 | grep -E "per step|largest" | tee -a "$TESTS" || status=1
+  step "done, status $status"
+  exit $status
+fi
 
 if [[ $PHASE != bench ]]; then
 step "CUDA handlers through JAX on the GPU, torchax on the GPU, torch on CUDA tensors"

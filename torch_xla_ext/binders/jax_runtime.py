@@ -2,7 +2,6 @@
 
 import ctypes
 
-from torch_xla_ext import _kernels
 
 # XLA platform names in the table -> JAX's names for them.
 _JAX_PLATFORMS = {"Host": "cpu", "CUDA": "CUDA"}

@@ -1,0 +1,107 @@
+"""Every op of torch_xla_ext, written down once (see opdef.py for what each field means).
+
+Adding an op: a kernel folder kernels/<op>/ (handlers registered under `target`), its checks
+in checks.py, one OpDef here, and tests; the torch.library op, the JAX function and the
+torchax lowering follow from the OpDef (README: "Adding an op").
+"""
+
+from torch_xla_ext import checks
+from torch_xla_ext.opdef import OpDef
+
+
+def _same_as(arg):
+    return lambda a: [(a[arg].shape, a[arg].dtype)]
+
+
+def _caches(*names):
+    return lambda a: [(a[n].shape, a[n].dtype) for n in names]
+
+
+SIMPLE_ADD = OpDef(
+    name="simple_add",
+    target="XlaGpuSimpleAdd",
+    schema="(Tensor a, Tensor b) -> Tensor",
+    doc="a + b elementwise (float32, float16 or bfloat16; same shape and dtype).",
+    operands=("a", "b"),
+    results=_same_as("a"),
+    check=checks.simple_add,
+)
+
+PAGED_ATTENTION = OpDef(
+    name="paged_attention",
+    target="xla_ext.paged_attention",
+    schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+           "Tensor seq_lens, float scale, float softcap=0.0, Tensor? alibi_slopes=None) -> Tensor",
+    doc="""Decode attention over a paged KV cache (vLLM semantics).
+
+    query [num_seqs, num_heads, head_size]; key_cache, value_cache
+    [num_blocks, block_size, num_kv_heads, head_size] (same dtype as query); block_tables
+    [num_seqs, max_blocks_per_seq] int32; seq_lens [num_seqs] int32; alibi_slopes float32
+    [num_heads] or None. Returns [num_seqs, num_heads, head_size] in the query's dtype.""",
+    operands=("query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes"),
+    absent={"alibi_slopes": ((0,), "float32")},  # the handlers read [0] elements as no ALiBi
+    attributes={"scale": "float32", "softcap": "float32"},
+    results=_same_as("query"),
+    check=checks.paged_attention,
+    value_args=("seq_lens", "block_tables"),
+    check_values=lambda a, v: checks.paged_attention_values(
+        v["seq_lens"], v["block_tables"], a["key_cache"].shape[1], a["key_cache"].shape[0]),
+)
+
+RESHAPE_AND_CACHE = OpDef(
+    name="reshape_and_cache",
+    target="xla_ext.reshape_and_cache",
+    schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+           "Tensor slot_mapping) -> ()",
+    doc="""Writes token i's key/value rows [num_kv_heads, head_size] into slot slot_mapping[i]
+    (int64; block * block_size + offset; negative = skip) of the NHD caches key_cache and
+    value_cache [num_blocks, block_size, num_kv_heads, head_size], in place.""",
+    operands=("key", "value", "key_cache", "value_cache", "slot_mapping"),
+    results=_caches("key_cache", "value_cache"),
+    writes={0: "key_cache", 1: "value_cache"},
+    check=checks.reshape_and_cache,
+    value_args=("slot_mapping",),
+    check_values=lambda a, v: checks.slot_values(
+        v["slot_mapping"], a["key_cache"].shape[0] * a["key_cache"].shape[1]),
+)
+
+KV_CACHE_UPDATE = OpDef(
+    name="kv_cache_update",
+    target="xla_ext.kv_cache_update",
+    schema="(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",
+    doc="""Writes token i's key and value rows [num_kv_heads, head_size] into slot
+    slot_mapping[i] (int32; page * page_size + offset; negative = skip) of the combined cache
+    kv_cache [num_pages, page_size, 2 * num_kv_heads, head_size] (K of kv head h at combined
+    head 2h, V at 2h + 1: ragged_paged_attention's kv_pages), in place.""",
+    operands=("key", "value", "kv_cache", "slot_mapping"),
+    results=_caches("kv_cache"),
+    writes={0: "kv_cache"},
+    check=checks.kv_cache_update,
+    value_args=("slot_mapping",),
+    check_values=lambda a, v: checks.kv_slot_values(
+        v["slot_mapping"], a["kv_cache"].shape[0] * a["kv_cache"].shape[1]),
+)
+
+KV_CACHE_UPDATE_SLICES = OpDef(
+    name="kv_cache_update_slices",
+    target="xla_ext.kv_cache_update_slices",
+    schema="(Tensor kv, Tensor slot_mapping, Tensor kv_cache, Tensor num_kv_update_slices, "
+           "int page_size, int num_slices_per_block) -> Tensor",
+    doc="""vLLM's kv_cache_update_op: for each of the first num_kv_update_slices[0] columns
+    (cache_start, new_kv_start, length) of slot_mapping (int32 [3, max_slices]), copies rows
+    kv[new_kv_start:+length] into kv_cache[cache_start:+length]. kv [num_tokens,
+    num_combined_heads, head_size]; kv_cache [num_pages * page_size, num_combined_heads,
+    head_size]. Returns the new cache, written into kv_cache's buffer where the caller lets it
+    (a donated jit argument, or torch_xla's step aliasing).""",
+    operands=("kv", "slot_mapping", "kv_cache", "num_kv_update_slices"),
+    attributes={"page_size": "int64", "num_slices_per_block": "int64"},
+    results=_caches("kv_cache"),
+    writes={0: "kv_cache"},
+    check=checks.kv_cache_update_slices,
+    value_args=("slot_mapping", "num_kv_update_slices"),
+    check_values=lambda a, v: checks.slice_values(
+        v["slot_mapping"], v["num_kv_update_slices"], a["kv"].shape[0], a["kv_cache"].shape[0]),
+    also_as=("xla", "kv_cache_update_op"),
+)
+
+OPS = (SIMPLE_ADD, PAGED_ATTENTION, RESHAPE_AND_CACHE, KV_CACHE_UPDATE, KV_CACHE_UPDATE_SLICES)

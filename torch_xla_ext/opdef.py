@@ -1,0 +1,110 @@
+"""An op written down once (`OpDef`): its schema, checks, and how its arguments become the
+handler's operands, attributes and results. The torch.library ops (ops.py), the JAX functions
+(jax_ops.py) and the torchax lowerings (torchax_ops.py) are all made from these descriptions;
+the descriptions themselves are in op_catalog.py.
+
+Arguments reach every function as a dict by name (`bind`), with the schema's defaults applied,
+so the descriptions never depend on how a caller spelled a call.
+"""
+
+import dataclasses
+import functools
+import re
+from typing import Callable, Optional
+
+import numpy as np
+
+from torch_xla_ext.errors import TorchXlaExtError
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    name: str  # torch.library xla_ext::<name>, torch_xla_ext.jax_ops.<name>
+    target: str  # the XLA FFI target of its handlers
+    schema: str  # "(Tensor a, ...) -> ..." in torch.library's syntax
+    doc: str
+    operands: tuple  # argument names, in the order the handler binds its operands
+    # args -> [(shape, dtype)] of the handler's results, in the arguments' own framework.
+    results: Callable
+    check: Callable  # check(**args): shapes and dtypes; raises TorchXlaExtError
+    attributes: dict = dataclasses.field(default_factory=dict)  # argument -> attribute dtype
+    # Optional tensor arguments passed to the handler as an empty array when None:
+    # argument -> (shape, dtype name).
+    absent: dict = dataclasses.field(default_factory=dict)
+    writes: dict = dataclasses.field(default_factory=dict)  # result index -> operand it aliases
+    value_args: tuple = ()  # arguments check_values reads, where their values are known
+    check_values: Optional[Callable] = None  # check_values(args, values)
+    # Also registered under this (namespace, name) when that op does not exist yet.
+    also_as: Optional[tuple] = None
+
+    @functools.cached_property
+    def arguments(self):
+        """[(name, default or _REQUIRED, is_tensor, is_written)] from the schema."""
+        import torch
+
+        parsed = torch._C.parse_schema(f"xla_ext::{self.name}{self.schema}")
+        return [(a.name, a.default_value if a.has_default_value() else _REQUIRED,
+                 "Tensor" in str(a.type), bool(a.alias_info and a.alias_info.is_write))
+                for a in parsed.arguments]
+
+    @property
+    def in_place(self):
+        """Whether the schema writes into arguments (Tensor(a!)) and returns nothing."""
+        return any(written for *_, written in self.arguments)
+
+    @property
+    def functional_schema(self):
+        """The in-place schema with the written arguments returned as results instead."""
+        arguments = re.sub(r"Tensor\([a-z]!\)", "Tensor", self.schema.rsplit(" -> ", 1)[0])
+        results = ", ".join(["Tensor"] * len(self.writes))
+        return f"{arguments} -> {'Tensor' if len(self.writes) == 1 else f'({results})'}"
+
+    def bind(self, args, kwargs):
+        """The call's arguments as {name: value}, defaults applied."""
+        names = [name for name, *_ in self.arguments]
+        if len(args) > len(names):
+            raise TorchXlaExtError(f"{self.target}: expected at most {len(names)} arguments "
+                                   f"({', '.join(names)}), got {len(args)}")
+        bound = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TorchXlaExtError(f"{self.target}: unexpected argument {key!r}; expected "
+                                       f"{', '.join(names)}")
+            if key in bound:
+                raise TorchXlaExtError(f"{self.target}: argument {key!r} given twice")
+            bound[key] = value
+        for name, default, *_ in self.arguments:
+            if name not in bound:
+                if default is _REQUIRED:
+                    raise TorchXlaExtError(f"{self.target}: argument {name!r} is missing")
+                bound[name] = default
+        return bound
+
+    def tensor_args(self):
+        return [name for name, _, is_tensor, _ in self.arguments if is_tensor]
+
+    def written_args(self):
+        """Operands written in place, in result order."""
+        return [self.writes[i] for i in sorted(self.writes)]
+
+    def attribute_values(self, args):
+        """{attribute: NumPy scalar of the attribute's dtype}."""
+        return {name: np.dtype(dtype).type(args[name]) for name, dtype in self.attributes.items()}
+
+    def operand_values(self, args, empty):
+        """The handler's operands; `empty(shape, dtype name, like)` makes an absent one."""
+        like = args[self.operands[0]]
+        return [empty(*self.absent[name], like) if args[name] is None else args[name]
+                for name in self.operands]
+
+    def aliases(self):
+        """{result index: operand index} for the results written into an operand's buffer."""
+        return {out: self.operands.index(name) for out, name in self.writes.items()}
+
+
+class _Required:
+    def __repr__(self):
+        return "<required>"
+
+
+_REQUIRED = _Required()
