@@ -1,14 +1,8 @@
 """cuda_library: compiles .cu files with nvcc into a library that cc_library/cc_binary can use."""
 
 load("@bazel_tools//tools/cpp:toolchain_utils.bzl", "find_cpp_toolchain")
+load("//tools:cuda_flags.bzl", "CUDA_ARCH_FLAGS", "NVCC_FLAGS")
 
-# SASS for Ampere (sm_80) and Hopper with its wgmma/TMA instructions (sm_90a), and PTX
-# for compute_90 so that newer GPUs can JIT-compile the kernels.
-CUDA_ARCH_FLAGS = [
-    "-gencode=arch=compute_80,code=sm_80",
-    "-gencode=arch=compute_90a,code=sm_90a",
-    "-gencode=arch=compute_90,code=compute_90",
-]
 
 def _cuda_library_impl(ctx):
     cc_toolchain = find_cpp_toolchain(ctx)
@@ -37,12 +31,7 @@ def _cuda_library_impl(ctx):
             arguments = [
                 "-ccbin",
                 cc_toolchain.compiler_executable,
-                "-std=c++17",
-                "-O3",
-                "-Xcompiler=-fPIC,-fvisibility=hidden",
-                "--expt-relaxed-constexpr",
-                "--threads",  # the -gencode targets compile in parallel
-                "0",
+            ] + NVCC_FLAGS + [
                 "-I",
                 ".",
                 "-I",

@@ -2,6 +2,7 @@
 
 import ctypes
 import dataclasses
+import functools
 import os
 import threading
 
@@ -26,9 +27,6 @@ def _lib_dir():
 
 LIB_DIR = _lib_dir()
 BUILTIN_LIBRARY = os.path.join(LIB_DIR, _KERNELS_SO)
-TABLE_ABI = 1
-
-
 def _not_built_error():
     if os.path.exists(os.path.join(_CHECKOUT_DIR, "WORKSPACE")):
         how = ("This is a source checkout: build the libraries with `bazel build "
@@ -40,26 +38,6 @@ def _not_built_error():
                "(`pip install --force-reinstall torch_xla_ext-*.whl`).")
     return TorchXlaExtError(f"torch_xla_ext's kernel library {BUILTIN_LIBRARY} does not exist. "
                             + how)
-
-
-class _Kernel(ctypes.Structure):
-    _fields_ = [
-        ("target", ctypes.c_char_p),
-        ("platform", ctypes.c_char_p),
-        ("handler", ctypes.c_void_p),
-        ("traits", ctypes.c_uint32),
-    ]
-
-
-class _Table(ctypes.Structure):
-    _fields_ = [
-        ("abi", ctypes.c_uint32),
-        ("ffi_api_major", ctypes.c_int32),
-        ("ffi_api_minor", ctypes.c_int32),
-        ("num_kernels", ctypes.c_uint32),
-        ("kernels", ctypes.POINTER(_Kernel)),
-        ("error", ctypes.c_char_p),
-    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,27 +66,35 @@ class KernelLibrary:
                 f"{self.path} exports no xla_ext_kernel_table: register its handlers with "
                 "XLA_EXT_REGISTER_KERNEL from xla_ext/registry.h (torch_xla_ext.get_include())"
             ) from None
-        table_fn.restype = ctypes.POINTER(_Table)
-        self.table_address = ctypes.cast(table_fn(), ctypes.c_void_p).value
-        table = table_fn().contents
-        if table.abi != TABLE_ABI:
-            raise TorchXlaExtError(
-                f"{self.path}: kernel table ABI {table.abi}, this torch_xla_ext reads ABI "
-                f"{TABLE_ABI}; rebuild it against this version's xla_ext/registry.h"
-            )
-        if table.error:
-            raise TorchXlaExtError(f"{self.path}: {table.error.decode()}")
-        self.ffi_version = (table.ffi_api_major, table.ffi_api_minor)
-        self.kernels = tuple(
-            Kernel(k.target.decode(), k.platform.decode(), k.handler, k.traits)
-            for k in table.kernels[: table.num_kernels]
-        )
+        table_fn.restype = ctypes.c_void_p
+        self.table_address = table_fn()
+        # The binder reads the table (kernel_table.h's layout, versioned by struct size).
+        binder = binder_dll()
+        major, minor, count = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_uint32()
+        error, err = ctypes.c_char_p(), ctypes.create_string_buffer(2048)
+        if binder.xla_ext_table_header(self.table_address, ctypes.byref(major),
+                                       ctypes.byref(minor), ctypes.byref(count),
+                                       ctypes.byref(error), err, len(err)) != 0:
+            raise TorchXlaExtError(f"{self.path}: {err.value.decode()}")
+        if error.value:
+            raise TorchXlaExtError(f"{self.path}: {error.value.decode()}")
+        self.ffi_version = (major.value, minor.value)
+        self.kernels = tuple(_read_kernel(binder, self.table_address, i)
+                             for i in range(count.value))
 
     def targets(self):
         return sorted({k.target for k in self.kernels})
 
     def __repr__(self):
         return f"KernelLibrary({self.path!r}, {len(self.kernels)} kernels)"
+
+
+def _read_kernel(binder, table, index):
+    target, platform = ctypes.c_char_p(), ctypes.c_char_p()
+    handler, traits = ctypes.c_void_p(), ctypes.c_uint32()
+    binder.xla_ext_table_kernel(table, index, ctypes.byref(target), ctypes.byref(platform),
+                                ctypes.byref(handler), ctypes.byref(traits))
+    return Kernel(target.value.decode(), platform.value.decode(), handler.value, traits.value)
 
 
 _builtin = None
@@ -126,14 +112,25 @@ def builtin_library():
         return _builtin
 
 
+@functools.lru_cache(maxsize=None)
 def binder_dll():
-    """The C helpers (torch_xla_ext/csrc/binder.cc) that register a table into a runtime."""
+    """The C helpers (torch_xla_ext/csrc/binder.cc) that read kernel tables and runtimes'
+    versions, and register a table into a runtime."""
     dll = ctypes.CDLL(os.path.join(LIB_DIR, "libxla_ext_binder.so"))
     for name in ("xla_ext_bind_ffi_api", "xla_ext_bind_pjrt_plugin"):
         fn = getattr(dll, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
                        ctypes.c_size_t]
+    dll.xla_ext_table_header.restype = ctypes.c_int
+    dll.xla_ext_table_header.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 4 + [
+        ctypes.c_char_p, ctypes.c_size_t]
+    dll.xla_ext_table_kernel.restype = None
+    dll.xla_ext_table_kernel.argtypes = [ctypes.c_void_p, ctypes.c_uint32] + [ctypes.c_void_p] * 4
+    dll.xla_ext_ffi_api_version.restype = None
+    dll.xla_ext_ffi_api_version.argtypes = [ctypes.c_void_p] * 4
+    dll.xla_ext_pjrt_api_version.restype = None
+    dll.xla_ext_pjrt_api_version.argtypes = [ctypes.c_void_p] * 3
     return dll
 
 

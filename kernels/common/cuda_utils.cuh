@@ -14,6 +14,7 @@
 #include <string_view>
 #include <utility>
 
+#include "kernels/common/errors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace xla_ext::cuda {
@@ -40,14 +41,17 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-// Calls fn(T{}) with T the CUDA element type of a float dtype (f32, f16 or bf16).
+// Calls fn(T{}) with T the CUDA element type of a float dtype (f32, f16 or bf16); any other
+// dtype is an error naming `op` (Check() rejects those first: reaching it is a bug).
 template <typename Fn>
-auto DispatchFloat(::xla::ffi::DataType dtype, Fn&& fn) {
+::xla::ffi::Error DispatchFloat(std::string_view op, ::xla::ffi::DataType dtype, Fn&& fn) {
   switch (dtype) {
-    case ::xla::ffi::DataType::F16: return fn(__half{});
-    case ::xla::ffi::DataType::BF16: return fn(__nv_bfloat16{});
-    default: return fn(float{});
+    case ::xla::ffi::DataType::F32: fn(float{}); break;
+    case ::xla::ffi::DataType::F16: fn(__half{}); break;
+    case ::xla::ffi::DataType::BF16: fn(__nv_bfloat16{}); break;
+    default: return NoKernelError(op, "dtype", DTypeName(dtype));
   }
+  return ::xla::ffi::Error::Success();
 }
 
 inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }

@@ -26,6 +26,7 @@ inline const char* DTypeName(ffi::DataType dtype) {
     case ffi::DataType::S8: return "s8";
     case ffi::DataType::U8: return "u8";
     case ffi::DataType::PRED: return "pred";
+    case ffi::DataType::F8E4M3FN: return "f8e4m3fn";
     default: return "another dtype";
   }
 }
@@ -86,6 +87,13 @@ inline ffi::Error CheckFloatType(std::string_view op, std::string_view arg,
   if (IsFloatType(buffer.element_type())) return ffi::Error::Success();
   return ArgumentError(op, arg, "dtype f32, f16 or bf16",
                        std::string("dtype ") + DTypeName(buffer.element_type()));
+}
+
+// A value Check() accepted but no kernel was built for: reported, never run on another kernel.
+inline ffi::Error NoKernelError(std::string_view op, std::string_view what,
+                                std::string_view value) {
+  return ffi::Error::Internal(std::string(op) + ": no kernel for " + std::string(what) + " " +
+                              std::string(value));
 }
 
 }  // namespace xla_ext

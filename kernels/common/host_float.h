@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/common/errors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace xla_ext::host {
@@ -72,14 +73,17 @@ inline Half FromFloat<Half>(float x) {
   return Half{static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13))};
 }
 
-// Calls fn(T{}) with T the host element type of a float dtype (f32, f16 or bf16).
+// Calls fn(T{}) with T the host element type of a float dtype (f32, f16 or bf16); any other
+// dtype is an error naming `op` (Check() rejects those first: reaching it is a bug).
 template <typename Fn>
-auto DispatchFloat(::xla::ffi::DataType dtype, Fn&& fn) {
+::xla::ffi::Error DispatchFloat(std::string_view op, ::xla::ffi::DataType dtype, Fn&& fn) {
   switch (dtype) {
-    case ::xla::ffi::DataType::F16: return fn(Half{});
-    case ::xla::ffi::DataType::BF16: return fn(BFloat16{});
-    default: return fn(float{});
+    case ::xla::ffi::DataType::F32: fn(float{}); break;
+    case ::xla::ffi::DataType::F16: fn(Half{}); break;
+    case ::xla::ffi::DataType::BF16: fn(BFloat16{}); break;
+    default: return NoKernelError(op, "dtype", DTypeName(dtype));
   }
+  return ::xla::ffi::Error::Success();
 }
 
 }  // namespace xla_ext::host

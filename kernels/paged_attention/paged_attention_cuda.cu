@@ -190,20 +190,25 @@ struct Kernels {
   }
 };
 
-// Calls fn(Kernels<T, head_size>{}) for the query's element type T.
+// Calls fn(Kernels<T, head_size>{}) for the query's element type T; a head size without
+// kernels is an error.
 template <typename Fn>
-auto DispatchKernels(ffi::DataType dtype, int64_t head_size, Fn&& fn) {
-  return cuda::DispatchFloat(dtype, [&](auto zero) {
+ffi::Error DispatchKernels(ffi::DataType dtype, int64_t head_size, Fn&& fn) {
+  bool found = true;
+  XLA_EXT_RETURN_IF_ERROR(cuda::DispatchFloat(kTarget, dtype, [&](auto zero) {
     using T = decltype(zero);
     switch (head_size) {
-      case 64: return fn(Kernels<T, 64>{});
-      case 80: return fn(Kernels<T, 80>{});
-      case 96: return fn(Kernels<T, 96>{});
-      case 112: return fn(Kernels<T, 112>{});
-      case 128: return fn(Kernels<T, 128>{});
-      default: return fn(Kernels<T, 256>{});
+      case 64: fn(Kernels<T, 64>{}); break;
+      case 80: fn(Kernels<T, 80>{}); break;
+      case 96: fn(Kernels<T, 96>{}); break;
+      case 112: fn(Kernels<T, 112>{}); break;
+      case 128: fn(Kernels<T, 128>{}); break;
+      case 256: fn(Kernels<T, 256>{}); break;
+      default: found = false;
     }
-  });
+  }));
+  return found ? ffi::Error::Success()
+               : NoKernelError(kTarget, "head_size", std::to_string(head_size));
 }
 
 ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
@@ -225,8 +230,9 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   }
 
   const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo();
-  const Plan plan = DispatchKernels(
-      query.element_type(), s.head_size, [&](auto kernels) { return kernels.MakePlan(s, device); });
+  Plan plan;
+  XLA_EXT_RETURN_IF_ERROR(DispatchKernels(
+      query.element_type(), s.head_size, [&](auto kernels) { plan = kernels.MakePlan(s, device); }));
   if (s.num_seqs * plan.num_partitions > INT32_MAX) {  // grid dimensions
     return ArgumentError(kTarget, "block_tables", "num_seqs * partitions < 2^31",
                          "shape " + ShapeString(block_tables.dimensions()));
@@ -265,10 +271,9 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
     p.partial_sum = p.partial_max + rows;
   }
 
-  DispatchKernels(query.element_type(), s.head_size, [&](auto kernels) {
+  XLA_EXT_RETURN_IF_ERROR(DispatchKernels(query.element_type(), s.head_size, [&](auto kernels) {
     kernels.Launch(p, plan, s, stream);
-    return 0;
-  });
+  }));
   return cuda::LastLaunchError(kTarget);
 }
 

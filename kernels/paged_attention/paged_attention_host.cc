@@ -96,15 +96,13 @@ ffi::Error PagedAttentionHost(ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
   XLA_EXT_RETURN_IF_ERROR(CheckSequences(s, tables, lens));
   const float* slopes = s.has_alibi ? static_cast<const float*>(alibi_slopes.untyped_data())
                                     : nullptr;
-  host::DispatchFloat(query.element_type(), [&](auto zero) {
+  return host::DispatchFloat(kTarget, query.element_type(), [&](auto zero) {
     using T = decltype(zero);
     Attend<T>(s, static_cast<const T*>(query.untyped_data()),
               static_cast<const T*>(key_cache.untyped_data()),
               static_cast<const T*>(value_cache.untyped_data()), tables, lens, slopes, scale,
               softcap, static_cast<T*>(out->untyped_data()));
-    return 0;
   });
-  return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER(kPagedAttentionHost, PagedAttentionHost, Bind(ffi::Ffi::Bind()));

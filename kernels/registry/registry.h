@@ -1,4 +1,4 @@
-// The static handler table of a kernel library.
+// The static handler table of a kernel library (its C ABI: kernel_table.h).
 //
 // XLA_FFI_REGISTER_HANDLER needs the runtime's XLA_FFI_Api* at load time, and no runtime that
 // loads our library exports one. So each handler is added here to a table instead, beside its
@@ -15,47 +15,11 @@
 #ifndef XLA_EXT_REGISTRY_H_
 #define XLA_EXT_REGISTRY_H_
 
-#include <stdint.h>
-
-#include "xla/ffi/api/c_api.h"
-
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-// Bumped whenever XlaExtKernelTable or XlaExtKernel change layout.
-#define XLA_EXT_KERNEL_TABLE_ABI 1
-#define XLA_EXT_KERNEL_TABLE_SYMBOL "xla_ext_kernel_table"
-#define XLA_EXT_NO_TRAITS 0u
-
-typedef struct XlaExtKernel {
-  const char* target;        // custom-call target name, e.g. "xla_ext.paged_attention"
-  const char* platform;      // XLA platform name: "Host" or "CUDA"
-  XLA_FFI_Handler* handler;  // execute stage
-  uint32_t traits;           // XLA_FFI_Handler_TraitsBits
-} XlaExtKernel;
-
-typedef struct XlaExtKernelTable {
-  uint32_t abi;              // XLA_EXT_KERNEL_TABLE_ABI
-  int32_t ffi_api_major;     // XLA_FFI_API_MAJOR/MINOR of the headers the handlers were
-  int32_t ffi_api_minor;     // compiled against
-  uint32_t num_kernels;
-  const XlaExtKernel* kernels;
-  const char* error;         // non-null when a registration was refused (e.g. a duplicate)
-} XlaExtKernelTable;
-
-typedef const XlaExtKernelTable* (*XlaExtKernelTableFn)(void);
-
-#ifdef __cplusplus
-}  // extern "C"
-#endif
-
-// Code that reads tables (the binders) includes the types above and nothing else.
-#if defined(__cplusplus) && !defined(XLA_EXT_TABLE_TYPES_ONLY)
-
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "xla_ext/kernel_table.h"
 
 namespace xla_ext::registry {
 
@@ -82,12 +46,13 @@ struct __attribute__((visibility("hidden"))) Registry {
         return false;
       }
     }
-    kernels.push_back(XlaExtKernel{target, platform, handler, traits});
+    kernels.push_back(XlaExtKernel{sizeof(XlaExtKernel), target, platform, handler, traits});
     return true;
   }
 
   const XlaExtKernelTable* Table() {
-    table.abi = XLA_EXT_KERNEL_TABLE_ABI;
+    table.struct_size = sizeof(XlaExtKernelTable);
+    table.kernel_struct_size = sizeof(XlaExtKernel);
     table.ffi_api_major = XLA_FFI_API_MAJOR;
     table.ffi_api_minor = XLA_FFI_API_MINOR;
     table.num_kernels = static_cast<uint32_t>(kernels.size());
@@ -125,7 +90,5 @@ xla_ext_kernel_table(void) {
 #define XLA_EXT_ADD_TO_TABLE_(TARGET, PLATFORM, HANDLER, TRAITS, N)              \
   __attribute__((unused)) static const bool xla_ext_kernel_registered_##N##_ = \
       ::xla_ext::registry::Registry::Get().Add(TARGET, PLATFORM, HANDLER, TRAITS)
-
-#endif  // defined(__cplusplus) && !defined(XLA_EXT_TABLE_TYPES_ONLY)
 
 #endif  // XLA_EXT_REGISTRY_H_

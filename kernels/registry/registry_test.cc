@@ -28,7 +28,10 @@ void Expect(bool ok, const char* what) {
 
 int main() {
   const XlaExtKernelTable* table = xla_ext_kernel_table();
-  Expect(table->abi == XLA_EXT_KERNEL_TABLE_ABI, "abi");
+  Expect(table->struct_size == sizeof(XlaExtKernelTable) &&
+             table->kernel_struct_size == sizeof(XlaExtKernel) &&
+             table->kernels[0].struct_size == sizeof(XlaExtKernel),
+         "sizes, the version of the layout");
   Expect(table->ffi_api_major == 0 && table->ffi_api_minor == 1,
          "built against XLA FFI 0.1, the version torch_xla 2.9 accepts");
   Expect(table->num_kernels == 2, "the duplicate is not added");

@@ -49,7 +49,7 @@ ffi::Error SimpleAddCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
   const bool aligned = ((reinterpret_cast<uintptr_t>(a.untyped_data()) |
                          reinterpret_cast<uintptr_t>(b.untyped_data()) |
                          reinterpret_cast<uintptr_t>(out->untyped_data())) % 16) == 0;
-  cuda::DispatchFloat(a.element_type(), [&](auto zero) {
+  XLA_EXT_RETURN_IF_ERROR(cuda::DispatchFloat(kTarget, a.element_type(), [&](auto zero) {
     using T = decltype(zero);
     // Threads with a vector, or the scalar tail's first elements, whichever is more.
     constexpr int64_t kVec = 16 / sizeof(T);
@@ -62,8 +62,7 @@ ffi::Error SimpleAddCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                              static_cast<const T*>(a.untyped_data()),
                              static_cast<const T*>(b.untyped_data()),
                              static_cast<T*>(out->untyped_data()), n, aligned);
-    return 0;
-  });
+  }));
   return cuda::LastLaunchError(kTarget);
 }
 

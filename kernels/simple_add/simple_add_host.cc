@@ -11,7 +11,7 @@ namespace {
 ffi::Error SimpleAddHost(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out) {
   XLA_EXT_RETURN_IF_ERROR(Check(a, b, *out));
   const int64_t n = static_cast<int64_t>(a.element_count());
-  host::DispatchFloat(a.element_type(), [&](auto zero) {
+  return host::DispatchFloat(kTarget, a.element_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* x = static_cast<const T*>(a.untyped_data());
     const T* y = static_cast<const T*>(b.untyped_data());
@@ -19,9 +19,7 @@ ffi::Error SimpleAddHost(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::An
     for (int64_t i = 0; i < n; ++i) {
       z[i] = host::FromFloat<T>(host::ToFloat(x[i]) + host::ToFloat(y[i]));
     }
-    return 0;
   });
-  return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER(kSimpleAddHost, SimpleAddHost, Bind(ffi::Ffi::Bind()));

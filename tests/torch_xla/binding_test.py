@@ -47,7 +47,7 @@ def test_other_ffi_version_is_one_clear_error(xla_device, monkeypatch):
     from torch_xla_ext import TorchXlaExtError
     from torch_xla_ext.binders import torch_xla_runtime as binder
 
-    monkeypatch.setattr(binder, "_read_version", lambda api: (208, (0, 3)))
+    monkeypatch.setattr(binder, "_read_version", lambda dll, api: (208, (0, 3)))
     with pytest.raises(TorchXlaExtError, match=r"speaks XLA FFI API 0\.3 .*supported: torch_xla 2\.9\.0"):
         binder.TorchXlaRuntime()
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds torch_xla_ext/lib/libxla_ext_{kernels,binder,eager}.so with nvcc and g++ directly,
-# for machines without Bazel (the GPU machine). Same sources and flags as tools/cuda.bzl and
-# torch_xla_ext/lib/BUILD.bazel. Run from anywhere; objects go to .devbuild/obj.
+# for machines without Bazel (the GPU machine). Same sources as torch_xla_ext/lib/BUILD.bazel,
+# nvcc flags from tools/cuda_flags.bzl (as Bazel's). Run from anywhere; objects go to
+# .devbuild/obj.
 #
 #   XLA_FFI_INCLUDE  directory holding xla/ffi/api/*.h (jaxlib 0.7.1's, FFI 0.1);
 #                    default .devbuild/ffi_include
@@ -26,11 +27,10 @@ mkdir -p "$OBJ" "$BUILD/include"
 ln -sfn "$ROOT/kernels/registry" "$BUILD/include/xla_ext"
 
 INCLUDES=(-I "$ROOT" -I "$BUILD/include" -isystem "$FFI_INCLUDE" -isystem "$CUDA_HOME/include")
-CUDA_ARCH_FLAGS=(
-  -gencode=arch=compute_80,code=sm_80
-  -gencode=arch=compute_90a,code=sm_90a
-  -gencode=arch=compute_90,code=compute_90
-)
+# The flags Bazel uses (tools/cuda_flags.bzl: two lists of strings, read here as Python).
+bzl_list() { python3 -c "exec(open('tools/cuda_flags.bzl').read()); print(' '.join($1))"; }
+read -r -a CUDA_ARCH_FLAGS <<<"$(bzl_list CUDA_ARCH_FLAGS)"
+read -r -a NVCC_FLAGS <<<"$(bzl_list NVCC_FLAGS)"
 [[ -n "${CUDA_GENCODE:-}" ]] && read -r -a CUDA_ARCH_FLAGS <<<"$CUDA_GENCODE"
 read -r -a NVCC_EXTRA <<<"${NVCC_EXTRA_FLAGS:-}"
 CXXFLAGS=(-std=c++17 -O2 -fPIC -fvisibility=hidden)
@@ -38,8 +38,7 @@ CXXFLAGS=(-std=c++17 -O2 -fPIC -fvisibility=hidden)
 compile() {  # source -> object, by extension
   local src="$1" obj="$OBJ/${1//\//_}.o"
   case "$src" in
-    *.cu) "$CUDA_HOME/bin/nvcc" -std=c++17 -O3 -Xcompiler=-fPIC,-fvisibility=hidden \
-            --expt-relaxed-constexpr --threads 0 "${CUDA_ARCH_FLAGS[@]}" "${NVCC_EXTRA[@]}" \
+    *.cu) "$CUDA_HOME/bin/nvcc" "${NVCC_FLAGS[@]}" "${CUDA_ARCH_FLAGS[@]}" "${NVCC_EXTRA[@]}" \
             "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
     *) g++ "${CXXFLAGS[@]}" "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
   esac

@@ -32,11 +32,10 @@ class PjrtPluginRuntime:
         if not self.api:
             raise TorchXlaExtError(f"{self.path}: GetPjrtApi() returned null (the plugin "
                                    "printed why to stderr)")
-        # PJRT_Api: size_t struct_size; void* extension_start;
-        #           PJRT_Api_Version {size_t; void*; int major; int minor}; ...
-        self.pjrt_version = (ctypes.c_int32.from_address(self.api + 32).value,
-                             ctypes.c_int32.from_address(self.api + 36).value)
         self._binder = _kernels.binder_dll()
+        major, minor = ctypes.c_int32(), ctypes.c_int32()
+        self._binder.xla_ext_pjrt_api_version(self.api, ctypes.byref(major), ctypes.byref(minor))
+        self.pjrt_version = (major.value, minor.value)
 
     def bind(self, library):
         _kernels.call_binder(self._binder.xla_ext_bind_pjrt_plugin, self.api, library,

@@ -58,13 +58,11 @@ def _symbol_values(path, names):
             data.close()
 
 
-def _read_version(api):
-    # XLA_FFI_Api: size_t struct_size; void* extension_start;
-    #              XLA_FFI_Api_Version {size_t; void*; int major; int minor}; ...
-    struct_size = ctypes.c_size_t.from_address(api).value
-    major = ctypes.c_int32.from_address(api + 32).value
-    minor = ctypes.c_int32.from_address(api + 36).value
-    return struct_size, (major, minor)
+def _read_version(binder, api):
+    struct_size, major, minor = ctypes.c_size_t(), ctypes.c_int32(), ctypes.c_int32()
+    binder.xla_ext_ffi_api_version(api, ctypes.byref(struct_size), ctypes.byref(major),
+                                   ctypes.byref(minor))
+    return struct_size.value, (major.value, minor.value)
 
 
 class TorchXlaRuntime:
@@ -94,7 +92,8 @@ class TorchXlaRuntime:
         self.api = get_api()
         if not self.api:
             raise TorchXlaExtError(f"torch_xla {self.torch_xla_version}: GetXlaFfiApi() returned null")
-        self.struct_size, self.ffi_version = _read_version(self.api)
+        self._binder = _kernels.binder_dll()
+        self.struct_size, self.ffi_version = _read_version(self._binder, self.api)
         if self.ffi_version != (0, 1) or self.struct_size != 192:
             raise TorchXlaExtError(
                 f"torch_xla {self.torch_xla_version} speaks XLA FFI API "
@@ -102,7 +101,6 @@ class TorchXlaRuntime:
                 f"bytes); supported: {SUPPORTED}. Install torch_xla==2.9.0, or rebuild the "
                 "kernels against the FFI headers of this torch_xla's XLA."
             )
-        self._binder = _kernels.binder_dll()
 
     def bind(self, library):
         _kernels.call_binder(self._binder.xla_ext_bind_ffi_api, self.api, library, self.platform)

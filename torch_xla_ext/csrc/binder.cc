@@ -9,8 +9,7 @@
 #include "torch_xla_ext/csrc/pjrt_ffi_extension.h"
 #include "xla/ffi/api/c_api.h"
 
-#define XLA_EXT_TABLE_TYPES_ONLY
-#include "xla_ext/registry.h"
+#include "xla_ext/kernel_table.h"
 
 namespace {
 
@@ -27,17 +26,30 @@ bool Selected(const XlaExtKernel& kernel, const char* platform) {
   return platform == nullptr || std::strcmp(kernel.platform, platform) == 0;
 }
 
+// The table's i-th kernel: `kernels` has the library's own stride.
+const XlaExtKernel& KernelAt(const XlaExtKernelTable* table, uint32_t i) {
+  return *reinterpret_cast<const XlaExtKernel*>(
+      reinterpret_cast<const char*>(table->kernels) + i * table->kernel_struct_size);
+}
+
+// The table is large enough to read (built against this or a later kernel_table.h).
+int CheckLayout(const XlaExtKernelTable* table, char* err, size_t err_size) {
+  if (table == nullptr) return Fail(err, err_size, "the kernel table is null");
+  if (table->struct_size < XLA_EXT_KERNEL_TABLE_STRUCT_SIZE_V1 ||
+      table->kernel_struct_size < XLA_EXT_KERNEL_STRUCT_SIZE_V1) {
+    return Fail(err, err_size,
+                "the kernel table (" + std::to_string(table->struct_size) +
+                    " bytes) was built against an older xla_ext/kernel_table.h; rebuild the "
+                    "library against this torch_xla_ext's headers (torch_xla_ext.get_include())");
+  }
+  return 0;
+}
+
 // Checks shared by every runtime: the table itself, and its handlers' FFI version against
 // the runtime's (same major, minor no newer than the runtime's).
 int CheckTable(const XlaExtKernelTable* table, int runtime_major, int runtime_minor, char* err,
                size_t err_size) {
-  if (table == nullptr) return Fail(err, err_size, "the kernel table is null");
-  if (table->abi != XLA_EXT_KERNEL_TABLE_ABI) {
-    return Fail(err, err_size,
-                "kernel table ABI " + std::to_string(table->abi) + " is not supported (expected " +
-                    std::to_string(XLA_EXT_KERNEL_TABLE_ABI) +
-                    "); rebuild the library against this torch_xla_ext's xla_ext/registry.h");
-  }
+  if (CheckLayout(table, err, err_size) != 0) return -1;
   if (table->error != nullptr) {
     return Fail(err, err_size, std::string("the kernel library refused a registration: ") +
                                    table->error);
@@ -55,6 +67,47 @@ int CheckTable(const XlaExtKernelTable* table, int runtime_major, int runtime_mi
 }  // namespace
 
 extern "C" {
+
+// Reads a table's header for torch_xla_ext._kernels (which so restates no struct layout):
+// 0, or -1 with a message in `err` when the table cannot be read.
+__attribute__((visibility("default"))) int xla_ext_table_header(
+    const XlaExtKernelTable* table, int32_t* ffi_api_major, int32_t* ffi_api_minor,
+    uint32_t* num_kernels, const char** error, char* err, size_t err_size) {
+  if (CheckLayout(table, err, err_size) != 0) return -1;
+  *ffi_api_major = table->ffi_api_major;
+  *ffi_api_minor = table->ffi_api_minor;
+  *num_kernels = table->num_kernels;
+  *error = table->error;
+  return 0;
+}
+
+// Reads kernel i (< num_kernels) of a table xla_ext_table_header accepted.
+__attribute__((visibility("default"))) void xla_ext_table_kernel(
+    const XlaExtKernelTable* table, uint32_t i, const char** target, const char** platform,
+    void** handler, uint32_t* traits) {
+  const XlaExtKernel& kernel = KernelAt(table, i);
+  *target = kernel.target;
+  *platform = kernel.platform;
+  *handler = reinterpret_cast<void*>(kernel.handler);
+  *traits = kernel.traits;
+}
+
+// The struct size and version of a runtime's XLA_FFI_Api.
+__attribute__((visibility("default"))) void xla_ext_ffi_api_version(
+    const XLA_FFI_Api* api, size_t* struct_size, int32_t* major, int32_t* minor) {
+  *struct_size = api->struct_size;
+  *major = api->api_version.major_version;
+  *minor = api->api_version.minor_version;
+}
+
+// The version of a PJRT plugin's C API (what its GetPjrtApi returned).
+__attribute__((visibility("default"))) void xla_ext_pjrt_api_version(const void* pjrt_api,
+                                                                     int32_t* major,
+                                                                     int32_t* minor) {
+  const auto* api = static_cast<const PjrtApiPrefix*>(pjrt_api);
+  *major = api->pjrt_api_version.major_version;
+  *minor = api->pjrt_api_version.minor_version;
+}
 
 // Returns the number of kernels registered, or -1 with a message in `err`.
 // `platform` ("Host", "CUDA") selects kernels; null registers every one.
@@ -74,7 +127,7 @@ __attribute__((visibility("default"))) int xla_ext_bind_ffi_api(
   }
   int registered = 0;
   for (uint32_t i = 0; i < table->num_kernels; ++i) {
-    const XlaExtKernel& kernel = table->kernels[i];
+    const XlaExtKernel& kernel = KernelAt(table, i);
     if (!Selected(kernel, platform)) continue;
     XLA_FFI_Handler_Register_Args args;
     args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;
@@ -132,7 +185,7 @@ __attribute__((visibility("default"))) int xla_ext_bind_pjrt_plugin(
   if (CheckTable(table, XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR, err, err_size) != 0) return -1;
   int registered = 0;
   for (uint32_t i = 0; i < table->num_kernels; ++i) {
-    const XlaExtKernel& kernel = table->kernels[i];
+    const XlaExtKernel& kernel = KernelAt(table, i);
     if (!Selected(kernel, platform)) continue;
     PjrtFfiRegisterHandlerArgs args;
     args.struct_size = sizeof(args);

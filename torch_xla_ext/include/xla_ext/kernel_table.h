@@ -1,0 +1,1 @@
+../../../kernels/registry/kernel_table.h
