@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
 from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
+from torch_xla_ext import sample_inputs  # noqa: E402
 
 CHAIN = 20
 DISPATCH_CHAIN = 500
@@ -108,19 +109,9 @@ def xla_gather_attention(query, key_cache, value_cache, block_tables, seq_lens, 
 
 def paged_attention_data(batch, seq_len, block_size):
     """The benchmark's inputs as torch CUDA tensors, and the bytes of K and V a call reads."""
-    blocks_per_seq = seq_len // block_size
-    num_blocks = batch * blocks_per_seq
-    g = torch.Generator(device="cuda").manual_seed(0)
-    key_cache = torch.randn(num_blocks, block_size, KVH, D, device="cuda", generator=g,
-                            dtype=torch.bfloat16)
-    value_cache = torch.randn_like(key_cache)
-    query = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
     # Blocks scattered over the cache, as a serving engine's allocator leaves them.
-    block_tables = torch.randperm(num_blocks, device="cuda", generator=g).int().reshape(
-        batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-    data = dict(query=query, key_cache=key_cache, value_cache=value_cache,
-                block_tables=block_tables, seq_lens=seq_lens)
+    data = sample_inputs.paged_attention([seq_len] * batch, H, KVH, D, block_size,
+                                         torch.bfloat16, device="cuda")
     return data, 2 * batch * seq_len * KVH * D * 2
 
 

@@ -4,16 +4,10 @@ block 16) through torch, for a profiler: `ncu --kernel-name regex:AttendTensorCo
 
 import torch
 
-import torch_xla_ext  # noqa: F401
+from torch_xla_ext import sample_inputs
 
 B, L, H, KVH, D, BLOCK = 32, 4096, 32, 8, 128, 16
-blocks = B * L // BLOCK
-key_cache = torch.randn(blocks, BLOCK, KVH, D, device="cuda", dtype=torch.bfloat16)
-value_cache = torch.randn_like(key_cache)
-query = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-block_tables = torch.randperm(blocks, device="cuda").int().reshape(B, L // BLOCK)
-seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+inputs = sample_inputs.paged_attention([L] * B, H, KVH, D, BLOCK, torch.bfloat16, device="cuda")
 for _ in range(4):
-    torch.ops.xla_ext.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                      D ** -0.5)
+    torch.ops.xla_ext.paged_attention(**inputs, scale=D ** -0.5)
 torch.cuda.synchronize()

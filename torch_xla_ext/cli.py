@@ -61,6 +61,7 @@ def demo():
     import torch_xla
 
     import torch_xla_ext
+    from torch_xla_ext import sample_inputs
 
     device = torch_xla.device()
     print(f"torch_xla_ext {torch_xla_ext.__version__} on {device} "
@@ -81,14 +82,14 @@ def demo():
 
     print("\n2. One decode step: write this step's K/V into the paged cache, then attend:")
     torch.manual_seed(0)
-    num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks = 3, 8, 2, 64, 16, 12
-    seq_lens = torch.tensor([5, 17, 33], dtype=torch.int32)  # lengths including this token
-    block_tables = torch.randperm(num_blocks)[: num_seqs * 3].reshape(num_seqs, 3).int()
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size)
+    num_seqs, num_heads, num_kv_heads, head_size, block_size = 3, 8, 2, 64, 16
+    # Lengths including this step's token.
+    inputs = sample_inputs.paged_attention([5, 17, 33], num_heads, num_kv_heads, head_size,
+                                           block_size, torch.float32)
+    query, key_cache, value_cache = inputs["query"], inputs["key_cache"], inputs["value_cache"]
+    block_tables, seq_lens = inputs["block_tables"], inputs["seq_lens"]
     new_key = torch.randn(num_seqs, num_kv_heads, head_size)
     new_value = torch.randn(num_seqs, num_kv_heads, head_size)
-    query = torch.randn(num_seqs, num_heads, head_size)
     positions = (seq_lens - 1).long()
     slots = block_tables.long().gather(1, (positions // block_size)[:, None])[:, 0] * block_size \
         + positions % block_size

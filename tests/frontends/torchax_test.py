@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests import reference
+from torch_xla_ext import sample_inputs
 
 PLATFORM = os.environ.get("XLA_EXT_TEST_PLATFORM", "cpu")
 
@@ -33,15 +34,15 @@ def test_ops_run_inside_a_jitted_xla_graph(env):
     import jax
 
     g = torch.Generator().manual_seed(3)
-    num_blocks, block_size, kv_heads, head, heads, seqs = 8, 16, 2, 64, 8, 2
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head, generator=g)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, head, generator=g)
-    query = torch.randn(seqs, heads, head, generator=g)
-    new_key = torch.randn(seqs, kv_heads, head, generator=g)
-    new_value = torch.randn(seqs, kv_heads, head, generator=g)
-    block_tables = torch.tensor([[3, 1, 0], [5, 2, 7]], dtype=torch.int32)
-    seq_lens = torch.tensor([20, 33], dtype=torch.int32)
-    slots = torch.tensor([1 * 16 + 3, 7 * 16 + 0])  # the last position of each sequence
+    block_size, kv_heads, head = 16, 2, 64
+    inputs = sample_inputs.paged_attention([20, 33], 8, kv_heads, head, block_size, torch.float32,
+                                           seed=3)
+    query, key_cache, value_cache = inputs["query"], inputs["key_cache"], inputs["value_cache"]
+    block_tables, seq_lens = inputs["block_tables"], inputs["seq_lens"]
+    new_key = torch.randn(2, kv_heads, head, generator=g)
+    new_value = torch.randn(2, kv_heads, head, generator=g)
+    last = (seq_lens - 1).long()  # this step's token: the last position of each sequence
+    slots = block_tables.long()[torch.arange(2), last // block_size] * block_size + last % block_size
     want_k, want_v = reference.reshape_and_cache_ref(new_key, new_value, key_cache, value_cache,
                                                      slots)
     want = reference.paged_attention_ref(query, want_k.float(), want_v.float(), block_tables,
@@ -58,7 +59,7 @@ def test_ops_run_inside_a_jitted_xla_graph(env):
         args = [t.to(device) for t in (query, new_key, new_value, key_cache, value_cache,
                                        block_tables, seq_lens, slots)]
         doubled, new_cache = _jitted(step)(*args)
-        assert jax.devices()[0].platform == PLATFORM
+        assert jax.devices()[0] == jax.devices(PLATFORM)[0]
         got = torch.from_numpy(__import__("numpy").asarray(doubled.jax()))
         got_cache = torch.from_numpy(__import__("numpy").asarray(new_cache.jax()))
     torch.testing.assert_close(got.double(), 2 * want, atol=1e-4, rtol=1e-4)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests import reference
+from torch_xla_ext import sample_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -13,19 +14,13 @@ def ops():
     import torch_xla_ext  # noqa: F401
 
 
-def _inputs(dtype, num_seqs=4, heads=32, kv_heads=8, head=128, block=16, blocks=64):
-    g = torch.Generator().manual_seed(0)
-    seq_lens = torch.tensor([1, 100, 200, 256][:num_seqs], dtype=torch.int32)  # 16 blocks of 16
-    block_tables = torch.randperm(blocks, generator=g)[: num_seqs * 16].reshape(num_seqs, 16).int()
-    cache = (blocks, block, kv_heads, head)
-    return dict(query=torch.randn(num_seqs, heads, head, generator=g).to(dtype),
-                key_cache=torch.randn(cache, generator=g).to(dtype),
-                value_cache=torch.randn(cache, generator=g).to(dtype),
-                block_tables=block_tables, seq_lens=seq_lens)
+def _inputs(dtype):
+    return sample_inputs.paged_attention([1, 100, 200, 256], num_heads=32, num_kv_heads=8,
+                                         head_size=128, block_size=16, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_paged_attention_on_cuda_on_a_side_stream(dtype, tol):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_on_cuda_on_a_side_stream(dtype):
     inputs = _inputs(dtype)
     want = reference.paged_attention_ref(**inputs, scale=0.088)
     stream = torch.cuda.Stream()
@@ -33,7 +28,8 @@ def test_paged_attention_on_cuda_on_a_side_stream(dtype, tol):
         got = torch.ops.xla_ext.paged_attention(**{k: v.cuda() for k, v in inputs.items()},
                                                 scale=0.088)
     stream.synchronize()
-    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+    atol, rtol = sample_inputs.TOLERANCES[dtype]
+    torch.testing.assert_close(got.cpu().double(), want, atol=atol, rtol=rtol)
 
 
 def test_simple_add_and_reshape_and_cache_on_cuda():

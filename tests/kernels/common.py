@@ -13,18 +13,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_xla_ext.jax_ops as xla_ext_jax  # noqa: E402,F401  (registers the kernels into JAX)
+from torch_xla_ext import sample_inputs  # noqa: E402
 
 PLATFORM = os.environ.get("XLA_EXT_TEST_PLATFORM", "cpu")
 DEVICE = jax.devices(PLATFORM)[0]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (atol, rtol) for results compared with float64 references: the outputs are rounded to the
-# dtype once, accumulation is f32.
-TOLERANCES = {
-    torch.float32: (2e-5, 2e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-}
+TOLERANCES = sample_inputs.TOLERANCES
 
 
 # dtypes NumPy has no type of its own for: (torch dtype, JAX dtype, same-width integer type).

@@ -149,3 +149,12 @@ def test_slices_bad_values():
                     reference.kv_cache_update_slices_ref(kv, want_slices, kv_cache, num_slices))
     with pytest.raises(TorchXlaExtError, match="argument 'page_size': expected a positive divisor"):
         run_slices((kv, slices, kv_cache, num_slices), page_size=7)
+
+
+def test_vmap_over_layers_writes_each_layers_cache():
+    """One step's K/V of every layer into that layer's cache: vmap over a stack of caches."""
+    layers = [make_slot_inputs(6, 2, 64, 3, 8, torch.float32, seed=s) for s in range(3)]
+    stacked = [torch.stack([layer[i] for layer in layers]) for i in range(4)]
+    got = to_torch(jax.jit(jax.vmap(xla_ext_jax.kv_cache_update))(*map(to_jax, stacked)))
+    for i, layer in enumerate(layers):
+        assert_same(got[i], reference.kv_cache_update_ref(*layer))

@@ -10,33 +10,15 @@ import torch
 from tests import reference
 from tests.kernels.common import DTYPES, PLATFORM, assert_close, replace, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
-from torch_xla_ext import op_catalog
+from torch_xla_ext import op_catalog, sample_inputs
 from torch_xla_ext.errors import TorchXlaExtError
 
 
 def make_inputs(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype,
                 max_blocks_per_seq=None, seed=0):
-    """Random q/K/V; each sequence's blocks are scattered over the cache in random order, and
-    block-table entries past a sequence's length hold ids that must never be read."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-    num_seqs = len(seq_lens)
-    blocks_needed = [-(-int(n) // block_size) for n in seq_lens]
-    if max_blocks_per_seq is None:
-        max_blocks_per_seq = max(blocks_needed + [1])
-    num_blocks = sum(blocks_needed) + 2  # two blocks nobody uses
-    ids = torch.randperm(num_blocks, generator=gen)
-    block_tables = torch.full((num_seqs, max_blocks_per_seq), num_blocks + 7, dtype=torch.int32)
-    block_tables[:, ::2] = -3
-    used = 0
-    for seq, n in enumerate(blocks_needed):
-        block_tables[seq, :n] = ids[used:used + n].int()
-        used += n
-    query = torch.randn(num_seqs, num_heads, head_size, generator=gen).to(dtype)
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
-    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    return query, key_cache, value_cache, block_tables, seq_lens
+    return tuple(sample_inputs.paged_attention(seq_lens, num_heads, num_kv_heads, head_size,
+                                               block_size, dtype, max_blocks_per_seq,
+                                               seed).values())
 
 
 def run(inputs, scale, softcap=0.0, alibi_slopes=None, jit=True):
@@ -210,3 +192,12 @@ def test_bad_block_ids(block_id):
         assert torch.all(out[1] == 0)
         first_seq = [inputs[0][:1], inputs[1], inputs[2], inputs[3][:1], inputs[4][:1]]
         assert_close(out[:1], reference.paged_attention_ref(*first_seq, 0.125), torch.float32)
+
+
+def test_vmap_matches_a_loop_of_calls():
+    batches = [make_inputs([9, 40], 8, 2, 64, 16, torch.float32, seed=s) for s in range(3)]
+    stacked = [torch.stack([inputs[i] for inputs in batches]) for i in range(5)]
+    fn = jax.vmap(functools.partial(xla_ext_jax.paged_attention, scale=0.125))
+    got = jax.jit(fn)(*map(to_jax, stacked))
+    for i, inputs in enumerate(batches):
+        assert_close(got[i], reference.paged_attention_ref(*inputs, 0.125), torch.float32)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests import reference
-from tests.kernels.common import DTYPES, assert_close, to_jax
+from tests.kernels.common import DTYPES, assert_close, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
 from torch_xla_ext import op_catalog
 from torch_xla_ext.errors import TorchXlaExtError
@@ -47,3 +47,9 @@ def test_handler_rejects_shape_mismatch():
     call = jax.ffi.ffi_call(op_catalog.SIMPLE_ADD.target, jax.ShapeDtypeStruct((3,), a.dtype))
     with pytest.raises(Exception, match="argument 'b'"):
         jax.block_until_ready(jax.jit(call)(a, b))
+
+
+def test_vmap_runs_each_call_of_the_batch():
+    a, b = torch.randn(4, 5, 3), torch.randn(4, 5, 3)
+    got = to_torch(jax.vmap(xla_ext_jax.simple_add)(to_jax(a), to_jax(b)))
+    assert torch.equal(got, a + b)

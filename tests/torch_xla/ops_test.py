@@ -10,23 +10,11 @@ import pytest
 import torch
 
 from tests import reference
+from torch_xla_ext import sample_inputs
 
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def _paged_inputs(dtype, num_seqs=3, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-                  num_blocks=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = torch.tensor([1, 17, 40][:num_seqs], dtype=torch.int32)
-    max_blocks = 3
-    block_tables = torch.randperm(num_blocks, generator=g)[: num_seqs * max_blocks]
-    block_tables = block_tables.reshape(num_seqs, max_blocks).int()
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
-    return dict(
-        query=torch.randn(num_seqs, num_heads, head_size, generator=g).to(dtype),
-        key_cache=torch.randn(shape, generator=g).to(dtype),
-        value_cache=torch.randn(shape, generator=g).to(dtype),
-        block_tables=block_tables, seq_lens=seq_lens)
+def _paged_inputs(dtype):
+    return sample_inputs.paged_attention([1, 17, 40], num_heads=8, num_kv_heads=2, head_size=64,
+                                         block_size=16, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -54,7 +42,8 @@ def test_paged_attention_on_xla_and_cpu(xla_device, dtype, softcap, alibi):
                                                 alibi_slopes=slopes)
     for got in (got_xla, got_cpu):
         assert got.dtype == dtype
-        torch.testing.assert_close(got.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        atol, rtol = sample_inputs.TOLERANCES[dtype]
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
 
 
 def test_reshape_and_cache_in_place_on_xla(xla_device):

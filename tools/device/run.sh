@@ -48,7 +48,7 @@ XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::D
 XLA_EXT_PAGED_ATTENTION_KERNEL=simt XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning tests/kernels/test_paged_attention.py 2>&1 | tail -1 | \
   sed 's/^/CUDA-core kernel: /' | tee -a "$TESTS" || status=1
-XLA_EXT_TEST_PLATFORM=gpu python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
   tests/frontends/torchax_test.py 2>&1 | tail -3 | tee -a "$TESTS" || status=1
 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py \
   2>&1 | tail -3 | tee -a "$TESTS" || status=1
