@@ -124,8 +124,10 @@ _Spec = collections.namedtuple(
 
 
 def _stablehlo_text(spec):
-    """The call as a StableHLO module: `stablehlo.custom_call`, as jax.ffi.ffi_call emits it."""
-    args = ", ".join(f"%arg{i}: {t}" for i, t in enumerate(spec.inputs))
+    """The call as a StableHLO module: `stablehlo.custom_call`, as jax.ffi.ffi_call emits it.
+
+    The module's parameters are the call's operands in reverse order (see `custom_call`)."""
+    args = ", ".join(f"%arg{i}: {t}" for i, t in reversed(list(enumerate(spec.inputs))))
     operands = ", ".join(f"%arg{i}" for i in range(len(spec.inputs)))
     single = len(spec.outputs) == 1
     results = spec.outputs[0] if single else "(" + ", ".join(spec.outputs) + ")"
@@ -238,7 +240,12 @@ def custom_call(inputs, target, output_shapes, output_dtypes, attrs=None, has_si
                  alias_pairs, tuple(sorted((frontend_attributes or {}).items())))
     import torch_xla
 
-    return torch_xla._XLAC._xla_user_computation("xla::xla_ext_custom_call", list(inputs),
+    # torch_xla numbers a node's device-data parameters in reverse operand order, and XLA pairs
+    # the step's donated parameters with its outputs by size in parameter order. Reversing the
+    # module's parameters here makes parameter order follow operand order, so a call writing
+    # two same-shaped caches (K and V) has each result paired with its own cache's buffer, not
+    # with the other's (which costs four cache-sized copies per call).
+    return torch_xla._XLAC._xla_user_computation("xla::xla_ext_custom_call", list(inputs)[::-1],
                                                  _computation(spec))
 
 

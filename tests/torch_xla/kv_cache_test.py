@@ -1,6 +1,12 @@
 """KV-cache writes through torch_xla (PJRT_DEVICE=CPU): torch.ops.xla_ext.kv_cache_update and
 vLLM's torch.ops.xla.kv_cache_update_op, on XLA and CPU tensors, against the references."""
 
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -82,3 +88,78 @@ def test_bad_arguments_name_the_argument(xla_device):
     kv, slices, cache, num_slices = (t.to(xla_device) for t in _slice_inputs())
     with pytest.raises(TorchXlaExtError, match="argument 'page_size': expected a positive divisor"):
         torch.ops.xla.kv_cache_update_op(kv, slices, cache, num_slices, 5, 8)
+
+
+# A serving step's cache writes, run in a child process that dumps XLA's optimised HLO.
+_STEP = textwrap.dedent("""
+    import sys, torch, torch_xla, torch_xla_ext
+    dev = torch_xla.device()
+    layers, mode = 3, sys.argv[1]
+    shape = {"reshape_and_cache": (64, 16, 2, 64), "kv_cache_update": (64, 16, 4, 64),
+             "kv_cache_update_op": (64 * 16, 4, 64)}[mode]
+    caches = [[torch.zeros(shape, device=dev) for _ in range(2 if mode == "reshape_and_cache" else 1)]
+              for _ in range(layers)]
+    torch_xla.sync()
+    rows = torch.arange(3 * 128, dtype=torch.float32).reshape(3, 2, 64)
+    for layer, cache in enumerate(caches):
+        key, value = (rows + 1000 * layer).to(dev), (2 * rows - 1000 * layer).to(dev)
+        if mode == "reshape_and_cache":
+            torch.ops.xla_ext.reshape_and_cache(key, value, cache[0], cache[1],
+                                                torch.tensor([3, 40, 700], device=dev))
+        elif mode == "kv_cache_update":
+            torch.ops.xla_ext.kv_cache_update(key, value, cache[0],
+                                              torch.tensor([3, 40, 700], dtype=torch.int32, device=dev))
+        else:  # vLLM's write_to_kv_cache: the op returns the new cache, copied back
+            kv = torch.stack([key, value], dim=2).reshape(3, 4, 64)
+            # (cache_start, new_kv_start, length): token 0 to row 3, tokens 1-2 to rows 40-41
+            slices = torch.tensor([[3, 0, 1], [40, 1, 2]], dtype=torch.int32).T.contiguous()
+            new = torch.ops.xla.kv_cache_update_op(kv, slices.to(dev), cache[0],
+                                                   torch.tensor([2], dtype=torch.int32, device=dev),
+                                                   16, 8)
+            cache[0].copy_(new)
+            del new  # as in vLLM: only the cache outlives the step
+    torch_xla.sync()
+    for layer, cache in enumerate(caches):
+        if len(cache) == 2:  # separate K and V caches
+            print(layer, float(cache[0].sum()), float(cache[1].sum()), flush=True)
+        else:  # combined: K at even combined heads, V at odd ones
+            print(layer, float(cache[0][..., 0::2, :].sum()), float(cache[0][..., 1::2, :].sum()),
+                  flush=True)
+""")
+
+
+def _run_step(tmp_path, mode):
+    """The printed per-layer sums, and the optimised HLO module of the step."""
+    env = dict(os.environ, PJRT_DEVICE="CPU",
+               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
+    result = subprocess.run([sys.executable, "-c", _STEP, mode], env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    modules = [open(p).read() for p in glob.glob(str(tmp_path / "*after_optimizations.txt"))]
+    step = [m for m in modules if "custom_call_target=" in m]
+    assert len(step) == 1
+    return [line.split()[1:] for line in result.stdout.splitlines()], step[0]
+
+
+def _cache_copies(module, shape):
+    """Instructions of the optimised module that copy a whole cache."""
+    type_ = "f32[" + ",".join(map(str, shape)) + "]"
+    return [line for line in module.splitlines() if f"= {type_}" in line and " copy(" in line]
+
+
+@pytest.mark.parametrize("mode, shape, num_caches", [
+    ("reshape_and_cache", (64, 16, 2, 64), 6),  # K and V caches of the same shape, 3 layers
+    ("kv_cache_update", (64, 16, 4, 64), 3),
+    ("kv_cache_update_op", (64 * 16, 4, 64), 3),
+])
+def test_a_step_writes_every_cache_in_place(tmp_path, mode, shape, num_caches):
+    """The step's optimised HLO donates every cache to its new value and copies none, and each
+    cache (several of the same shape) holds its own rows afterwards."""
+    sums, module = _run_step(tmp_path, mode)
+    header = module.splitlines()[0]
+    assert header.count("may-alias") == num_caches, header
+    assert _cache_copies(module, shape) == []
+    rows = torch.arange(3 * 128, dtype=torch.float32).reshape(3, 2, 64)
+    for layer, got in enumerate(sums):
+        key, value = rows + 1000 * layer, 2 * rows - 1000 * layer
+        assert [float(x) for x in got] == [float(key.sum()), float(value.sum())]
