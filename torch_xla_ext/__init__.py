@@ -10,10 +10,11 @@ import os
 from torch_xla_ext import _kernels, binders
 from torch_xla_ext.custom_call import custom_call, gpu_custom_call, mlir_dictionary
 from torch_xla_ext.errors import TorchXlaExtError
+from torch_xla_ext.step import sync
 
 __version__ = "0.1.0"
 __all__ = ["TorchXlaExtError", "custom_call", "get_include", "gpu_custom_call", "load_kernels",
-           "mlir_dictionary"]
+           "mlir_dictionary", "sync"]
 
 
 def get_include():

@@ -51,7 +51,22 @@ def _run_eagerly(op, args, write_into_arguments):
     return outputs
 
 
+def _check_known_values(op, args):
+    """Checks the data arguments (block ids, lengths, slots) on the host when their values
+    already sit in device buffers: a bad request then fails here, before anything is built or
+    run. Arguments still to be computed are checked by the handlers when the step runs."""
+    if op.check_values is None:
+        return
+    import torch_xla
+
+    tensors = [args[name] for name in op.value_args]
+    if any(torch_xla._XLAC._check_tensor_need_materialization(tensors)):
+        return
+    op.check_values(args, {name: t.cpu().numpy() for name, t in zip(op.value_args, tensors)})
+
+
 def _on_xla(op, args):
+    _check_known_values(op, args)
     return custom_call(op.operand_values(args, _empty), op.target,
                        [s for s, _ in op.results(args)], [d for _, d in op.results(args)],
                        attrs=op.attribute_values(args), aliases=op.aliases())
