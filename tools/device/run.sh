@@ -54,7 +54,7 @@ python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu
   2>&1 | tail -3 | tee -a "$TESTS" || status=1
 
 # The sanitizers run the CUDA handlers through torch (one process, no XLA autotuning noise).
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
   command -v compute-sanitizer > /dev/null || { step "compute-sanitizer: not installed"; break; }
   step "compute-sanitizer --tool $tool: tests/gpu/torch_cuda_test.py"
   compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
@@ -63,6 +63,16 @@ for tool in memcheck racecheck; do
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/sanitizer.txt | tee -a "$TESTS"
   [[ $code == 0 ]] || { status=1; tail -30 /tmp/sanitizer.txt | tee -a "$TESTS"; }
 done
+
+# The same handlers through JAX's XLA GPU (the path users run), under memcheck.
+step "compute-sanitizer --tool memcheck: tests/kernels/test_kv_cache_update.py, test_simple_add.py through JAX"
+XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda timeout 420 compute-sanitizer \
+  --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+  -W ignore::DeprecationWarning tests/kernels/test_kv_cache_update.py tests/kernels/test_simple_add.py \
+  > /tmp/sanitizer-jax.txt 2>&1
+code=$?
+grep -E "ERROR SUMMARY|passed|failed" /tmp/sanitizer-jax.txt | tee -a "$TESTS"
+[[ $code == 0 ]] || { status=1; tail -30 /tmp/sanitizer-jax.txt | tee -a "$TESTS"; }
 
 step "our CUDA handlers registered into JAX's CUDA PJRT plugin through its FFI extension"
 python3 tests/gpu/plugin_registration.py > "$OUT/$GPU-plugin.txt" 2>&1 || status=1
