@@ -9,16 +9,15 @@ one combined cache (`kv_pages` layout) with xla_ext.kv_cache_update, as its own 
              tensors; the step's graph donates the cache);
   jax        torch_xla_ext.jax_ops.kv_cache_update under jax.jit with the cache donated;
   torchax    torch.ops.xla_ext.kv_cache_update under torchax.interop.jax_jit, cache donated.
-Each row: median wall time of a step (host dispatch to result ready) over REPS steps after
-warm-up. Flat across sizes means the cache is updated in place; a copy would add
-cache_bytes / copy bandwidth per step.
+Each row: wall time per step over REPS steps run back to back (inputs already on the device;
+one wait at the end), after WARMUP steps. Flat across sizes means the cache is updated in
+place; a copy would add cache_bytes / copy bandwidth per step.
 """
 
 import argparse
 import json
 import os
 import platform
-import statistics
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -43,15 +42,22 @@ def _step_inputs(num_pages, step):
     return key, value, slots
 
 
-def _median_step(run_step, num_pages):
-    times = []
-    for step in range(WARMUP + REPS):
-        inputs = _step_inputs(num_pages, step)
-        start = time.perf_counter()
+def _step_seconds(step_inputs, run_step, wait):
+    """Seconds per step: REPS steps back to back (each its own executable, as a serving loop
+    runs them), then one wait; after WARMUP steps likewise. `step_inputs` are on the device
+    already, so what is timed is dispatch and the device's work."""
+    for inputs in step_inputs[:WARMUP]:
         run_step(*inputs)
-        if step >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    wait()
+    start = time.perf_counter()
+    for inputs in step_inputs[WARMUP:]:
+        run_step(*inputs)
+    wait()
+    return (time.perf_counter() - start) / REPS
+
+
+def _all_step_inputs(num_pages):
+    return [_step_inputs(num_pages, step) for step in range(WARMUP + REPS)]
 
 
 def torch_xla_step_seconds(num_pages):
@@ -63,17 +69,17 @@ def torch_xla_step_seconds(num_pages):
     device = torch_xla.device()
     cache = torch.zeros(num_pages, PAGE_SIZE, 2 * KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16,
                         device=device)
+    host_inputs = _all_step_inputs(num_pages)
+    step_inputs = [[t.to(device) for t in inputs] for inputs in host_inputs]
     torch_xla.sync()
+    xm.wait_device_ops()
 
     def run_step(key, value, slots):
-        torch.ops.xla_ext.kv_cache_update(key.to(device), value.to(device), cache,
-                                          slots.to(device))
+        torch.ops.xla_ext.kv_cache_update(key, value, cache, slots)
         torch_xla.sync()
-        xm.wait_device_ops()
 
-    seconds = _median_step(run_step, num_pages)
-    last = _step_inputs(num_pages, WARMUP + REPS - 1)
-    _check_last_step(cache.cpu(), *last)
+    seconds = _step_seconds(step_inputs, run_step, xm.wait_device_ops)
+    _check_last_step(cache.cpu(), *host_inputs[-1])
     return seconds
 
 
@@ -84,16 +90,16 @@ def jax_step_seconds(num_pages):
     from torch_xla_ext import jax_ops
 
     step_fn = jax.jit(jax_ops.kv_cache_update, donate_argnums=(2,))
-    cache = jnp.zeros((num_pages, PAGE_SIZE, 2 * KV_HEADS, HEAD_SIZE), jnp.bfloat16)
-    state = {"cache": cache}
+    host_inputs = _all_step_inputs(num_pages)
+    step_inputs = [[_to_jax(t) for t in inputs] for inputs in host_inputs]
+    state = {"cache": jnp.zeros((num_pages, PAGE_SIZE, 2 * KV_HEADS, HEAD_SIZE), jnp.bfloat16)}
 
     def run_step(key, value, slots):
-        state["cache"] = step_fn(_to_jax(key), _to_jax(value), state["cache"], _to_jax(slots))
-        state["cache"].block_until_ready()
+        state["cache"] = step_fn(key, value, state["cache"], slots)
 
-    seconds = _median_step(run_step, num_pages)
+    seconds = _step_seconds(step_inputs, run_step, lambda: state["cache"].block_until_ready())
     got = torch.from_numpy(np.asarray(state["cache"]).view(np.int16).copy()).view(torch.bfloat16)
-    _check_last_step(got, *_step_inputs(num_pages, WARMUP + REPS - 1))
+    _check_last_step(got, *host_inputs[-1])
     return seconds
 
 
@@ -111,19 +117,20 @@ def torchax_step_seconds(num_pages):
         return cache
 
     step_fn = torchax.interop.jax_jit(write, kwargs_for_jax_jit={"donate_argnums": (2,)})
+    host_inputs = _all_step_inputs(num_pages)  # outside the environment: torch's generator
     with env:
+        step_inputs = [[t.to("jax") for t in inputs] for inputs in host_inputs]
         state = {"cache": torch.zeros(num_pages, PAGE_SIZE, 2 * KV_HEADS, HEAD_SIZE,
                                       dtype=torch.bfloat16, device="jax")}
 
         def run_step(key, value, slots):
-            state["cache"] = step_fn(key.to("jax"), value.to("jax"), state["cache"],
-                                     slots.to("jax"))
-            jax.block_until_ready(state["cache"].jax())
+            state["cache"] = step_fn(key, value, state["cache"], slots)
 
-        seconds = _median_step(run_step, num_pages)
+        seconds = _step_seconds(step_inputs, run_step,
+                                lambda: jax.block_until_ready(state["cache"].jax()))
         got = np.asarray(state["cache"].jax())
     got = torch.from_numpy(got.view(np.int16).copy()).view(torch.bfloat16)
-    _check_last_step(got, *_step_inputs(num_pages, WARMUP + REPS - 1))
+    _check_last_step(got, *host_inputs[-1])
     return seconds
 
 
