@@ -5,6 +5,7 @@ Importing the package is the whole setup: the built-in kernels (and any later
 and `torch_xla._XLAC._xla_gpu_custom_call(..., target=...)` is available again.
 """
 
+import importlib.util
 import os
 
 from torch_xla_ext import _kernels, binders
@@ -33,8 +34,6 @@ def load_kernels(path):
 
 
 def _bind_on_import():
-    import importlib.util
-
     binders.add_library(_kernels.builtin_library())
     # Where torch_xla is not installed (JAX-only machines) there is nothing to bind it to;
     # where it is, a failure to bind is an error.
@@ -49,3 +48,6 @@ def _bind_on_import():
 _bind_on_import()
 
 from torch_xla_ext import ops  # noqa: E402,F401  (registers torch.ops.xla_ext.*)
+
+if importlib.util.find_spec("torch_xla") is not None:
+    from torch_xla_ext import torch_xla_ops  # noqa: F401  (ragged_paged_attention off TPU)

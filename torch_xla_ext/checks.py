@@ -203,3 +203,82 @@ def slice_values(slot_mapping, num_kv_update_slices, num_new_rows, num_cache_row
         _fail(op, "slot_mapping", f"slices within kv ({num_new_rows} rows) and kv_cache "
               f"({num_cache_rows} rows)", f"cache_start[{i}] = {start[i]}, new_kv_start[{i}] = "
               f"{new_start[i]}, length[{i}] = {length[i]}")
+
+
+RAGGED_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+RAGGED_PAGE_SIZES = (8, 16, 32, 64, 128)
+MAX_GQA_GROUP = 16
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
+                           sliding_window, soft_cap, mask_value, k_scale, v_scale):
+    op = "xla_ext.ragged_paged_attention"
+    _check_rank(op, "q", q, 3, "[max_num_batched_tokens, num_q_heads, head_dim]")
+    _check_dtype(op, "q", q, FLOAT_DTYPES)
+    _check_rank(op, "kv_pages", kv_pages, 4,
+                "[total_num_pages, page_size, 2 * num_kv_heads, head_dim]")
+    fp8_ok = dtype_name(q.dtype) != "float32"
+    if dtype_name(kv_pages.dtype) != dtype_name(q.dtype) and not (
+            fp8_ok and dtype_name(kv_pages.dtype) == "float8_e4m3fn"):
+        _fail(op, "kv_pages", f"dtype {dtype_name(q.dtype)} (the dtype of 'q')"
+              + (" or float8_e4m3fn" if fp8_ok else ""), f"dtype {dtype_name(kv_pages.dtype)}")
+    _, num_q_heads, head_dim = _shape(q)  # any number of rows: unowned ones are padding
+    _, page_size, combined_heads, kv_head_dim = _shape(kv_pages)
+    if head_dim not in RAGGED_HEAD_DIMS:
+        _fail(op, "q", f"head_dim in {list(RAGGED_HEAD_DIMS)}", f"{head_dim}")
+    if kv_head_dim != head_dim:
+        _fail(op, "kv_pages", f"head_dim {head_dim} in dimension 3 (as 'q')", f"{kv_head_dim}")
+    if page_size not in RAGGED_PAGE_SIZES:
+        _fail(op, "kv_pages", f"page_size in {list(RAGGED_PAGE_SIZES)}", f"{page_size}")
+    num_kv_heads = combined_heads // 2
+    if combined_heads % 2 or num_kv_heads == 0 or num_q_heads % num_kv_heads \
+            or num_q_heads // num_kv_heads > MAX_GQA_GROUP:
+        _fail(op, "kv_pages", f"2 * num_kv_heads combined heads in dimension 2, num_kv_heads "
+              f"dividing num_q_heads = {num_q_heads} into groups of at most {MAX_GQA_GROUP}",
+              f"{combined_heads}")
+    _check_rank(op, "page_indices", page_indices, 2, "[max_num_seqs, pages_per_seq]")
+    _check_dtype(op, "page_indices", page_indices, ("int32",))
+    max_num_seqs = _shape(page_indices)[0]
+    for arg, x, length in (("kv_lens", kv_lens, max_num_seqs),
+                           ("cu_q_lens", cu_q_lens, max_num_seqs + 1), ("num_seqs", num_seqs, 1)):
+        _check_dtype(op, arg, x, ("int32",))
+        if _shape(x) != [length]:
+            _fail(op, arg, f"shape [{length}]", f"shape {_shape(x)}")
+    for arg, value in (("sm_scale", sm_scale), ("k_scale", k_scale), ("v_scale", v_scale),
+                       ("mask_value", mask_value)):
+        if value is not None and not np.isfinite(float(value)):
+            _fail(op, arg, "a finite float", f"{value}")
+    if sliding_window is not None and not sliding_window >= 1:
+        _fail(op, "sliding_window", "a window >= 1, or None", f"{sliding_window}")
+    if soft_cap is not None and not 0.0 < float(soft_cap) < float("inf"):
+        _fail(op, "soft_cap", "a finite cap > 0, or None", f"{soft_cap}")
+
+
+def ragged_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size, num_pages):
+    """The first num_seqs sequences: monotone row ranges within the batch, q_len <= kv_len <=
+    the pages' capacity, and page ids in the cache. Entries past num_seqs are not read."""
+    op = "xla_ext.ragged_paged_attention"
+    count = int(num_seqs[0])
+    if not 0 <= count <= kv_lens.shape[0]:
+        _fail(op, "num_seqs", f"0 <= num_seqs <= max_num_seqs = {kv_lens.shape[0]}",
+              f"num_seqs[0] = {count}")
+    bounds = cu_q_lens[:count + 1].astype(np.int64)
+    bad = np.flatnonzero(np.diff(bounds) < 0)
+    if bounds.size and (bounds[0] < 0 or bounds[-1] > num_tokens or bad.size):
+        i = int(bad[0]) + 1 if bad.size else (0 if bounds[0] < 0 else count)
+        _fail(op, "cu_q_lens", f"0 <= cu_q_lens[0] <= ... <= cu_q_lens[num_seqs] <= "
+              f"max_num_batched_tokens = {num_tokens}", f"cu_q_lens[{i}] = {cu_q_lens[i]}")
+    q_lens, lens = np.diff(bounds), kv_lens[:count].astype(np.int64)
+    capacity = page_indices.shape[1] * page_size
+    bad = np.flatnonzero((lens < q_lens) | (lens > capacity))
+    if bad.size:
+        i = int(bad[0])
+        _fail(op, "kv_lens", f"q_len <= kv_len <= pages_per_seq * page_size = {capacity}",
+              f"kv_lens[{i}] = {kv_lens[i]} with q_len {q_lens[i]}")
+    used = np.arange(page_indices.shape[1])[None, :] * page_size < lens[:, None]
+    pages = page_indices[:count]
+    bad = np.argwhere(used & ((pages < 0) | (pages >= num_pages)))
+    if bad.size:
+        s, p = map(int, bad[0])
+        _fail(op, "page_indices", f"page ids in [0, total_num_pages = {num_pages})",
+              f"page_indices[{s}][{p}] = {pages[s, p]}")

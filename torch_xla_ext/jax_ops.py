@@ -69,7 +69,37 @@ def _function(op):
     return call
 
 
-for _op in OPS:
-    globals()[_op.name] = _function(_op)
+_FUNCTIONS = {op.name: _function(op) for op in OPS}
+globals().update(_FUNCTIONS)
 
-__all__ = [op.name for op in OPS]
+
+def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                              distribution, sm_scale=1.0, sliding_window=None, soft_cap=None,
+                              mask_value=None, k_scale=None, v_scale=None):
+    """vllm-project/tpu-inference's "v3" ragged attention signature: writes this step's keys
+    and values ([max_num_batched_tokens, num_kv_heads, head_dim], one row per query token) into
+    kv_cache at their positions, then attends as ragged_paged_attention does. Returns
+    (out, kv_cache), the cache aliased to the argument: donate it to jit to write in place.
+    distribution: int32 [3], (decode-only sequences, + prefill-only, + mixed); its last entry
+    is num_seqs. Rows no sequence owns write nothing."""
+    queries, kv_lens, page_indices, cu_q_lens, distribution = map(
+        jnp.asarray, (queries, kv_lens, page_indices, cu_q_lens, distribution))
+    num_seqs = distribution[2:3]
+    num_tokens, page_size = queries.shape[0], kv_cache.shape[1]
+    # Entries past num_seqs are junk (cu_q_lens holds 1 there): keep the bounds monotone.
+    index = jnp.arange(cu_q_lens.shape[0])
+    bounds = jnp.where(index <= num_seqs[0], cu_q_lens, num_tokens + 1)
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(bounds, rows, side="right") - 1, 0, kv_lens.shape[0] - 1)
+    position = kv_lens[seq] - (bounds[seq + 1] - bounds[seq]) + (rows - bounds[seq])
+    page = jnp.clip(position // page_size, 0, page_indices.shape[1] - 1)
+    owned = (rows >= bounds[0]) & (rows < bounds[num_seqs[0]]) & (position >= 0)
+    slots = jnp.where(owned, page_indices[seq, page] * page_size + position % page_size, -1)
+    kv_cache = _FUNCTIONS["kv_cache_update"](keys, values, kv_cache, slots.astype(jnp.int32))
+    out = _FUNCTIONS["ragged_paged_attention"](
+        queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, sliding_window,
+        soft_cap, mask_value, k_scale, v_scale)
+    return out, kv_cache
+
+
+__all__ = [*_FUNCTIONS, "ragged_paged_attention_v3"]

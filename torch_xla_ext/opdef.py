@@ -28,6 +28,8 @@ class OpDef:
     results: Callable
     check: Callable  # check(**args): shapes and dtypes; raises TorchXlaExtError
     attributes: dict = dataclasses.field(default_factory=dict)  # argument -> attribute dtype
+    # Optional attributes: argument -> the value the handler takes for None.
+    attribute_none: dict = dataclasses.field(default_factory=dict)
     # Optional tensor arguments passed to the handler as an empty array when None:
     # argument -> (shape, dtype name).
     absent: dict = dataclasses.field(default_factory=dict)
@@ -89,7 +91,9 @@ class OpDef:
 
     def attribute_values(self, args):
         """{attribute: NumPy scalar of the attribute's dtype}."""
-        return {name: np.dtype(dtype).type(args[name]) for name, dtype in self.attributes.items()}
+        return {name: np.dtype(dtype).type(self.attribute_none[name] if args[name] is None
+                                           else args[name])
+                for name, dtype in self.attributes.items()}
 
     def operand_values(self, args, empty):
         """The handler's operands; `empty(shape, dtype name, like)` makes an absent one."""

@@ -46,3 +46,43 @@ def paged_attention(seq_lens, num_heads, num_kv_heads, head_size, block_size, dt
     return dict(query=randn(num_seqs, num_heads, head_size), key_cache=randn(*cache_shape),
                 value_cache=randn(*cache_shape), block_tables=block_tables,
                 seq_lens=seq_lens.to(device))
+
+
+def ragged_paged_attention(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, page_size,
+                           dtype, kv_dtype=None, max_num_seqs=None, padding_rows=0, seed=0,
+                           device="cpu"):
+    """{q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs} for ragged_paged_attention:
+    sequence i brings q_lens[i] new tokens and has kv_lens[i] in the cache, new ones included.
+
+    Pages are scattered over the cache in random order; the batch has `padding_rows` rows past
+    the last sequence's; entries past num_seqs are junk as vLLM leaves them (cu_q_lens 1, stale
+    kv_lens), and page-table entries past a sequence's pages are other sequences' pages (valid
+    ids, as torch_xla's reference gathers whole rows of the table)."""
+    gen = _generator(seed, device)
+    num_seqs = len(q_lens)
+    max_num_seqs = max_num_seqs or num_seqs
+    pages_needed = [-(-int(n) // page_size) for n in kv_lens]
+    pages_per_seq = max(pages_needed + [1])
+    num_pages = sum(pages_needed) + 2
+    ids = torch.randperm(num_pages, generator=gen, device=device).int()
+    page_indices = torch.randint(num_pages, (max_num_seqs, pages_per_seq), generator=gen,
+                                 device=device, dtype=torch.int32)
+    used = 0
+    for seq, n in enumerate(pages_needed):
+        page_indices[seq, :n] = ids[used:used + n]
+        used += n
+    cu_q_lens = torch.ones(max_num_seqs + 1, dtype=torch.int32)
+    cu_q_lens[:num_seqs + 1] = torch.tensor([0] + list(q_lens)).cumsum(0)
+    lens = torch.full((max_num_seqs,), page_size * pages_per_seq, dtype=torch.int32)
+    lens[:num_seqs] = torch.tensor(kv_lens, dtype=torch.int32)
+    num_tokens = int(sum(q_lens)) + padding_rows
+
+    def randn(*shape, to=dtype):
+        return torch.randn(*shape, generator=gen, device=device).to(to)
+
+    return dict(q=randn(num_tokens, num_q_heads, head_dim),
+                kv_pages=randn(num_pages, page_size, 2 * num_kv_heads, head_dim,
+                               to=kv_dtype or dtype),
+                kv_lens=lens.to(device), page_indices=page_indices,
+                cu_q_lens=cu_q_lens.to(device),
+                num_seqs=torch.tensor([num_seqs], dtype=torch.int32, device=device))

@@ -78,3 +78,16 @@ def test_kv_cache_update_on_cuda(dtype):
     got = torch.ops.xla.kv_cache_update_op(kv.cuda(), slices.contiguous().cuda(), flat.cuda(),
                                            num_slices.cuda(), 16, 8)
     assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_paged_attention_on_cuda(dtype):
+    inputs = sample_inputs.ragged_paged_attention([5, 1, 1, 40, 0, 3], [37, 9, 100, 40, 4, 3],
+                                                  num_q_heads=8, num_kv_heads=2, head_dim=128,
+                                                  page_size=16, dtype=dtype, max_num_seqs=8,
+                                                  padding_rows=3)
+    want = reference.ragged_paged_attention_ref(**inputs, sm_scale=0.09, sliding_window=24)
+    got = torch.ops.xla_ext.ragged_paged_attention(**{k: v.cuda() for k, v in inputs.items()},
+                                                   sm_scale=0.09, sliding_window=24)
+    atol, rtol = sample_inputs.TOLERANCES[dtype]
+    torch.testing.assert_close(got.cpu().double(), want, atol=atol, rtol=rtol)

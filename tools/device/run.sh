@@ -9,8 +9,10 @@
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
-#   tools/device/run.sh [all|tests|bench|kv_cache]   (all: tests and bench; each fits 10 minutes)
+#   tools/device/run.sh [all|tests|bench|kv_cache|ragged]   (all: tests and bench; each fits 10
+#   minutes)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
+#   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -26,11 +28,19 @@ fi
 TESTS="$OUT/$GPU-tests.txt"
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache ]] || : > "$TESTS"
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged ]] || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step "build: tools/device/build_kernels.sh"
 tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
+
+if [[ $PHASE == ragged ]]; then
+  step "ragged paged attention against its roofline: bench/ragged_bench.py"
+  python3 bench/ragged_bench.py --out "$OUT/$GPU-ragged.json" 2>&1 | grep -E " us |copy|failed|Error" \
+    | tee -a "$TESTS" || status=1
+  step "done, status $status"
+  exit $status
+fi
 
 if [[ $PHASE == kv_cache ]]; then
   step "KV-cache write step time against cache size: bench/kv_cache_bench.py"
