@@ -88,3 +88,46 @@ def kv_cache_update_slices_ref(kv, slices, kv_cache, num_slices):
         start, new_start, length = (int(slices[r, i]) for r in range(3))
         cache[start:start + length] = kv[new_start:new_start + length]
     return cache
+
+
+# torch_xla's DEFAULT_MASK_VALUE (torch_xla/experimental/custom_kernel.py).
+DEFAULT_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
+
+
+def ragged_paged_attention_ref(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               sm_scale=1.0, sliding_window=None, soft_cap=None,
+                               mask_value=DEFAULT_MASK_VALUE, k_scale=None, v_scale=None):
+    """torch_xla's ragged_paged_attention in float64, [max_num_batched_tokens, num_q_heads,
+    head_dim]: sequence i < num_seqs[0] owns query rows cu_q_lens[i]..cu_q_lens[i + 1], whose
+    row j attends cache positions k <= kv_len - q_len + j (and, with a sliding window,
+    k > kv_len - q_len + j - sliding_window); masked scores are mask_value, soft-capping comes
+    before the mask. kv_pages [pages, page_size, 2 * num_kv_heads, head_dim] holds K of kv
+    head h at combined head 2h and V at 2h + 1 (any float dtype, fp8 too: K and V are
+    dequantised as float64 values times k_scale / v_scale). Rows no sequence owns are zeros."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size = kv_pages.shape[1]
+    num_kv_heads = kv_pages.shape[2] // 2
+    group = num_q_heads // num_kv_heads
+    pages = kv_pages.double()  # torch cannot index fp8 tensors
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64)
+    for i in range(int(num_seqs[0])):
+        q_start, q_end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
+        q_len = q_end - q_start
+        positions = torch.arange(kv_len)
+        rows = pages[page_indices[i].long()[positions // page_size], positions % page_size]
+        k = rows[:, 0::2].repeat_interleave(group, dim=1)  # [kv_len, num_q_heads, head_dim]
+        v = rows[:, 1::2].repeat_interleave(group, dim=1)
+        if k_scale is not None:
+            k = k * k_scale
+        if v_scale is not None:
+            v = v * v_scale
+        scores = sm_scale * torch.einsum("qhd,khd->hqk", q[q_start:q_end].double(), k)
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = (kv_len - q_len + torch.arange(q_len))[:, None]
+        masked = positions[None, :] > q_pos
+        if sliding_window is not None:
+            masked |= positions[None, :] <= q_pos - sliding_window
+        scores = scores.masked_fill(masked, mask_value)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out

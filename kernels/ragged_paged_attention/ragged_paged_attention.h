@@ -1,0 +1,227 @@
+// xla_ext.ragged_paged_attention: attention of a ragged batch of query tokens (decodes,
+// prefills and prefill chunks side by side) over a combined paged KV cache, with the
+// semantics of torch_xla 2.9.0's `ragged_paged_attention` (its reference:
+// torch_xla/experimental/custom_kernel.py, `_ragged_paged_attention_nonkernel`).
+//
+//   q             [max_num_batched_tokens, num_q_heads, head_dim]         f32, f16 or bf16
+//   kv_pages      [total_num_pages, page_size, 2 * num_kv_heads, head_dim] dtype of q, or
+//                 f8e4m3fn with q f16/bf16; K of kv head h at combined head 2h, V at 2h + 1
+//   kv_lens       [max_num_seqs] s32: tokens in the cache per sequence, the new ones included
+//   page_indices  [max_num_seqs, pages_per_seq] s32: token t of sequence i lives in page
+//                 page_indices[i][t / page_size] at offset t % page_size
+//   cu_q_lens     [max_num_seqs + 1] s32: sequence i owns query rows cu_q_lens[i]..[i + 1]
+//   num_seqs      [1] s32: sequences in use; entries of the arrays above past them are junk
+//   attrs         sm_scale (f32); sliding_window (s32, 0 = none); soft_cap (f32, 0 = none);
+//                 mask_value (f32); k_scale, v_scale (f32, 1 = none)
+//   out           [max_num_batched_tokens, num_q_heads, head_dim], dtype of q
+//
+// For sequence i < num_seqs[0], q_len = cu_q_lens[i + 1] - cu_q_lens[i], kv_len = kv_lens[i],
+// its query row j (0 <= j < q_len) sits at position q_pos = kv_len - q_len + j, and query head
+// h (kv head h / (num_q_heads / num_kv_heads)) scores each position k < kv_len:
+//   s = sm_scale * k_scale * (q . K_k);   if soft_cap > 0: s = soft_cap * tanh(s / soft_cap);
+//   masked unless k <= q_pos and (sliding_window == 0 or k > q_pos - sliding_window), and a
+//   masked score is mask_value;   out = v_scale * softmax(s) . V
+// accumulated in f32 (K and V are dequantised from fp8 as f32 values; torch_xla's reference
+// rounds them to q's dtype first). Rows no sequence owns (before cu_q_lens[0], at or after
+// cu_q_lens[num_seqs[0]]) are zeros.
+//
+// Masked positions: a masked score takes weight exp(mask_value - max score). When
+// mask_value <= kNegligibleMaskValue (-1e30; torch_xla's default is -0.7 * FLT_MAX) that
+// weight is 0 in f32 for every row whose largest score is above mask_value + 104, so the CUDA
+// kernel reads only the unmasked positions; with a larger mask_value it visits every position
+// below kv_len and gives masked ones mask_value, as the reference does. The Host handler always
+// computes the exact weights.
+//
+// Data-dependent arguments (num_seqs, cu_q_lens, kv_lens, page_indices):
+// - Host checks, for the first num_seqs[0] sequences: 0 <= num_seqs[0] <= max_num_seqs;
+//   0 <= cu_q_lens[0] <= cu_q_lens[1] <= ... <= cu_q_lens[num_seqs] <= max_num_batched_tokens;
+//   q_len <= kv_len <= pages_per_seq * page_size; the page ids of positions below kv_len in
+//   [0, total_num_pages). A violation returns InvalidArgument naming the argument and the
+//   entry. Entries past num_seqs[0] are never read.
+// - CUDA cannot report them without synchronising, so it never reads or writes out of bounds
+//   instead: num_seqs[0] is clamped to [0, max_num_seqs]; a row belongs to sequence i only if
+//   cu_q_lens[i] <= row < cu_q_lens[i + 1] for the i that a binary search over the first
+//   num_seqs[0] + 1 entries finds (with non-monotone entries some rows may belong to none:
+//   they are zeros); kv_len is clamped to [0, pages_per_seq * page_size]; a sequence with
+//   q_len > kv_len (after the clamp) gives zeros for all its rows; positions in a page id
+//   outside [0, total_num_pages) are skipped (no weight; a row left with none gives zeros).
+//   Only a row's own q row, its sequence's entries and its pages' K/V rows are read.
+#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_
+#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "kernels/common/errors.h"
+
+namespace xla_ext::ragged_paged_attention {
+
+inline constexpr char kTarget[] = "xla_ext.ragged_paged_attention";
+
+// At or below this mask_value the CUDA kernel skips masked positions (see above).
+inline constexpr float kNegligibleMaskValue = -1e30f;
+inline constexpr int64_t kMaxGroupSize = 16;
+
+inline bool IsSupportedHeadDim(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: case 80: case 96: case 112: case 128: case 192: case 256: return true;
+    default: return false;
+  }
+}
+
+inline bool IsSupportedPageSize(int64_t page_size) {
+  switch (page_size) {
+    case 8: case 16: case 32: case 64: case 128: return true;
+    default: return false;
+  }
+}
+
+inline std::string DTypeString(ffi::DataType dtype) {
+  return dtype == ffi::DataType::F8E4M3FN ? "f8e4m3fn" : DTypeName(dtype);
+}
+
+struct Shapes {
+  int64_t num_tokens;  // max_num_batched_tokens
+  int64_t num_q_heads;
+  int64_t head_dim;
+  int64_t num_pages;
+  int64_t page_size;
+  int64_t num_kv_heads;
+  int64_t max_num_seqs;
+  int64_t pages_per_seq;
+  bool fp8_kv;  // kv_pages is f8e4m3fn
+
+  int64_t group_size() const { return num_q_heads / num_kv_heads; }
+  // Tokens a sequence's row of page_indices can address.
+  int64_t capacity() const { return pages_per_seq * page_size; }
+};
+
+struct Attrs {
+  float sm_scale;
+  int32_t sliding_window;
+  float soft_cap;
+  float mask_value;
+  float k_scale;
+  float v_scale;
+};
+
+inline ffi::Error CheckS32Vector(const char* arg, const ffi::AnyBuffer& buffer, int64_t length) {
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, arg, buffer, ffi::DataType::S32));
+  const auto dims = buffer.dimensions();
+  if (dims.size() != 1 || dims[0] != length) {
+    return ArgumentError(kTarget, arg, "shape [" + std::to_string(length) + "]",
+                         "shape " + ShapeString(dims));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckAttrs(const Attrs& a) {
+  auto finite = [](const char* name, float value) {
+    if (std::isfinite(value)) return ffi::Error::Success();
+    return ArgumentError(kTarget, name, "a finite value", std::to_string(value));
+  };
+  XLA_EXT_RETURN_IF_ERROR(finite("sm_scale", a.sm_scale));
+  XLA_EXT_RETURN_IF_ERROR(finite("k_scale", a.k_scale));
+  XLA_EXT_RETURN_IF_ERROR(finite("v_scale", a.v_scale));
+  if (a.sliding_window < 0) {
+    return ArgumentError(kTarget, "sliding_window", "a window >= 1, or 0 for none",
+                         std::to_string(a.sliding_window));
+  }
+  if (!(a.soft_cap >= 0.0f) || std::isinf(a.soft_cap)) {
+    return ArgumentError(kTarget, "soft_cap", "a finite cap > 0, or 0 for none",
+                         std::to_string(a.soft_cap));
+  }
+  if (std::isnan(a.mask_value)) {
+    return ArgumentError(kTarget, "mask_value", "a value that is not NaN", "NaN");
+  }
+  return ffi::Error::Success();
+}
+
+// Checks dtypes, ranks and shapes of every buffer and the attributes, and fills `shapes`.
+inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
+                        const ffi::AnyBuffer& kv_lens, const ffi::AnyBuffer& page_indices,
+                        const ffi::AnyBuffer& cu_q_lens, const ffi::AnyBuffer& num_seqs,
+                        const ffi::AnyBuffer& out, const Attrs& attrs, Shapes& shapes) {
+  XLA_EXT_RETURN_IF_ERROR(CheckFloatType(kTarget, "q", q));
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "q", q, 3));
+  const ffi::DataType q_type = q.element_type();
+  const ffi::DataType kv_type = kv_pages.element_type();
+  const bool fp8_kv = kv_type == ffi::DataType::F8E4M3FN;
+  if (kv_type != q_type && !(fp8_kv && q_type != ffi::DataType::F32)) {
+    return ArgumentError(kTarget, "kv_pages",
+                         std::string("dtype ") + DTypeName(q_type) + " (the dtype of 'q')" +
+                             (q_type == ffi::DataType::F32 ? "" : " or f8e4m3fn"),
+                         "dtype " + DTypeString(kv_type));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "kv_pages", kv_pages, 4));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "page_indices", page_indices, ffi::DataType::S32));
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "page_indices", page_indices, 2));
+
+  const auto qd = q.dimensions();
+  const auto kd = kv_pages.dimensions();
+  const auto pd = page_indices.dimensions();
+  shapes = Shapes{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2] / 2, pd[0], pd[1], fp8_kv};
+
+  if (!IsSupportedHeadDim(shapes.head_dim)) {
+    return ArgumentError(kTarget, "q", "head_dim (dim 2) 64, 80, 96, 112, 128, 192 or 256",
+                         std::to_string(shapes.head_dim) + " in shape " + ShapeString(qd));
+  }
+  if (kd[3] != shapes.head_dim) {
+    return ArgumentError(kTarget, "kv_pages",
+                         "head_dim (dim 3) " + std::to_string(shapes.head_dim) + " (the q's)",
+                         "shape " + ShapeString(kd));
+  }
+  if (!IsSupportedPageSize(shapes.page_size)) {
+    return ArgumentError(kTarget, "kv_pages", "page_size (dim 1) 8, 16, 32, 64 or 128",
+                         std::to_string(shapes.page_size) + " in shape " + ShapeString(kd));
+  }
+  if (kd[2] <= 0 || kd[2] % 2 != 0 || shapes.num_q_heads % shapes.num_kv_heads != 0 ||
+      shapes.group_size() > kMaxGroupSize) {
+    return ArgumentError(kTarget, "kv_pages",
+                         "2 * num_kv_heads combined heads (dim 2), num_kv_heads dividing "
+                         "num_q_heads = " + std::to_string(shapes.num_q_heads) +
+                             " into groups of at most " + std::to_string(kMaxGroupSize),
+                         std::to_string(kd[2]) + " in shape " + ShapeString(kd));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckS32Vector("kv_lens", kv_lens, shapes.max_num_seqs));
+  XLA_EXT_RETURN_IF_ERROR(CheckS32Vector("cu_q_lens", cu_q_lens, shapes.max_num_seqs + 1));
+  XLA_EXT_RETURN_IF_ERROR(CheckS32Vector("num_seqs", num_seqs, 1));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "out", out, q_type));
+  XLA_EXT_RETURN_IF_ERROR(CheckSameShape(kTarget, "out", out, "q", q));
+  // Positions and rows are int32 on the device (page ids and lengths are s32 already).
+  if (shapes.capacity() > INT32_MAX / 2) {
+    return ArgumentError(kTarget, "page_indices", "pages_per_seq * page_size < 2^30",
+                         "shape " + ShapeString(pd) + " with page_size " +
+                             std::to_string(shapes.page_size));
+  }
+  if (shapes.num_tokens > INT32_MAX || shapes.num_q_heads > 65535) {
+    return ArgumentError(kTarget, "q", "fewer than 2^31 tokens and 65536 heads",
+                         "shape " + ShapeString(qd));
+  }
+  return CheckAttrs(attrs);
+}
+
+// Both platforms bind the same arguments, result and attributes, after their contexts.
+template <typename Binding>
+auto Bind(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // kv_pages
+      .template Arg<ffi::AnyBuffer>()  // kv_lens
+      .template Arg<ffi::AnyBuffer>()  // page_indices
+      .template Arg<ffi::AnyBuffer>()  // cu_q_lens
+      .template Arg<ffi::AnyBuffer>()  // num_seqs
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Attr<float>("sm_scale")
+      .template Attr<int32_t>("sliding_window")
+      .template Attr<float>("soft_cap")
+      .template Attr<float>("mask_value")
+      .template Attr<float>("k_scale")
+      .template Attr<float>("v_scale");
+}
+
+}  // namespace xla_ext::ragged_paged_attention
+
+#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_
