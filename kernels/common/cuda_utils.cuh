@@ -54,6 +54,31 @@ template <typename Fn>
   return ::xla::ffi::Error::Success();
 }
 
+// Split-KV partial results: for `slots` (row, partition) pairs, the unnormalised outputs
+// [slots, head_size], then the maxima and the sums [slots] each, in one scratch buffer.
+struct PartialResults {
+  float* out = nullptr;
+  float* max = nullptr;
+  float* sum = nullptr;
+};
+
+inline ::xla::ffi::Error AllocatePartials(::xla::ffi::ScratchAllocator& scratch,
+                                          std::string_view op, int64_t slots, int64_t head_size,
+                                          PartialResults& partials) {
+  const size_t bytes = static_cast<size_t>(slots * (2 + head_size)) * sizeof(float);
+  // XLA refuses alignments above 16 bytes (its FFI DeviceMemory_Allocate).
+  std::optional<void*> buffer = scratch.Allocate(bytes, 16);
+  if (!buffer.has_value()) {
+    return ::xla::ffi::Error(::xla::ffi::ErrorCode::kResourceExhausted,
+                             std::string(op) + ": cannot allocate " + std::to_string(bytes) +
+                                 " bytes of scratch for the partitions");
+  }
+  partials.out = static_cast<float*>(*buffer);
+  partials.max = partials.out + slots * head_size;
+  partials.sum = partials.max + slots;
+  return ::xla::ffi::Error::Success();
+}
+
 inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 // The current device's fixed properties the handlers plan with, asked of the runtime once

@@ -142,9 +142,9 @@ template <typename Binding>
 auto BindSlices(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // slices
+      .template Arg<ffi::AnyBuffer>()  // slot_mapping: the slices
       .template Arg<ffi::AnyBuffer>()  // kv_cache
-      .template Arg<ffi::AnyBuffer>()  // num_slices
+      .template Arg<ffi::AnyBuffer>()  // num_kv_update_slices
       .template Attr<int64_t>("num_slices_per_block")
       .template Attr<int64_t>("page_size")
       .template Ret<ffi::AnyBuffer>();  // kv_cache_out

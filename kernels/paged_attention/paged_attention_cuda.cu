@@ -257,18 +257,12 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.softcap = softcap;
 
   if (p.num_partitions > 1) {
-    const int64_t rows = s.num_seqs * s.num_heads * p.num_partitions;
-    const size_t bytes = static_cast<size_t>(rows * (2 + s.head_size)) * sizeof(float);
-    // XLA refuses alignments above 16 bytes (its FFI DeviceMemory_Allocate).
-    std::optional<void*> buffer = scratch.Allocate(bytes, 16);
-    if (!buffer.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(kTarget) + ": cannot allocate " + std::to_string(bytes) +
-                            " bytes of scratch for the partitions");
-    }
-    p.partial_out = static_cast<float*>(*buffer);
-    p.partial_max = p.partial_out + rows * s.head_size;
-    p.partial_sum = p.partial_max + rows;
+    cuda::PartialResults partials;
+    XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
+        scratch, kTarget, s.num_seqs * s.num_heads * p.num_partitions, s.head_size, partials));
+    p.partial_out = partials.out;
+    p.partial_max = partials.max;
+    p.partial_sum = partials.sum;
   }
 
   XLA_EXT_RETURN_IF_ERROR(DispatchKernels(query.element_type(), s.head_size, [&](auto kernels) {

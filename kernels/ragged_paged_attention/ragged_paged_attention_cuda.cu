@@ -562,18 +562,13 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator s
   p.v_scale = v_scale;
 
   if (plan.num_partitions > 1) {
-    const int64_t slots = s.num_tokens * s.num_q_heads * plan.num_partitions;
-    const size_t bytes = static_cast<size_t>(slots * (2 + s.head_dim)) * sizeof(float);
-    // XLA refuses alignments above 16 bytes (its FFI DeviceMemory_Allocate).
-    std::optional<void*> buffer = scratch.Allocate(bytes, 16);
-    if (!buffer.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(kTarget) + ": cannot allocate " + std::to_string(bytes) +
-                            " bytes of scratch for the partitions");
-    }
-    p.partial_out = static_cast<float*>(*buffer);
-    p.partial_max = p.partial_out + slots * s.head_dim;
-    p.partial_sum = p.partial_max + slots;
+    cuda::PartialResults partials;
+    XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
+        scratch, kTarget, s.num_tokens * s.num_q_heads * plan.num_partitions, s.head_dim,
+        partials));
+    p.partial_out = partials.out;
+    p.partial_max = partials.max;
+    p.partial_sum = partials.sum;
   }
 
   XLA_EXT_RETURN_IF_ERROR(Dispatch(q.element_type(), s.fp8_kv, s.head_dim, [&](auto kernels) {
