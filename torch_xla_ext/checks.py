@@ -13,6 +13,7 @@ from torch_xla_ext.errors import TorchXlaExtError
 
 HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _fail(op, arg, expected, actual):
@@ -84,10 +85,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         _check_dtype(op, "alibi_slopes", alibi_slopes, ("float32",))
         if _shape(alibi_slopes) != [num_heads]:
             _fail(op, "alibi_slopes", f"shape [{num_heads}]", f"shape {_shape(alibi_slopes)}")
-    if not float(scale) == float(scale) or abs(float(scale)) == float("inf"):
-        _fail(op, "scale", "a finite float", f"{scale}")
-    if not float(softcap) >= 0.0:
-        _fail(op, "softcap", "a float >= 0 (0 turns it off)", f"{softcap}")
+    # Both reach the handlers as float32 attributes: beyond float32's range they become inf,
+    # and an infinite scale or softcap makes the outputs NaN (inf - inf, inf * tanh(0)).
+    if not abs(float(scale)) <= FLOAT32_MAX:
+        _fail(op, "scale", "a finite float (within float32's range)", f"{scale}")
+    if not 0.0 <= float(softcap) <= FLOAT32_MAX:
+        _fail(op, "softcap", "a finite float >= 0 (within float32's range; 0 turns it off)",
+              f"{softcap}")
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
