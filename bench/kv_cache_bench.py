@@ -11,7 +11,8 @@ one combined cache (`kv_pages` layout) with xla_ext.kv_cache_update, as its own 
   torchax    torch.ops.xla_ext.kv_cache_update under torchax.interop.jax_jit, cache donated.
 Each row: wall time per step over REPS steps run back to back (inputs already on the device;
 one wait at the end), after WARMUP steps. Flat across sizes means the cache is updated in
-place; a copy would add cache_bytes / copy bandwidth per step.
+place; a copy would add cache_bytes / copy bandwidth per step: on a GPU, the copy bandwidth
+is measured in the same run and each row gives that cost ("cache_copy_us") beside the step.
 """
 
 import argparse
@@ -149,6 +150,26 @@ def _check_last_step(cache, key, value, slots):
         "the last step's K/V rows are not in the cache"
 
 
+def copy_gbps():
+    """Device-to-device copy bandwidth (read + write) of the GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 20
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / seconds / 1e9
+
+
 FRONTENDS = {"torch_xla": torch_xla_step_seconds, "jax": jax_step_seconds,
              "torchax": torchax_step_seconds}
 
@@ -159,6 +180,9 @@ def main():
     parser.add_argument("--sizes-mib", default="4,64,512,2048")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    copy = copy_gbps()
+    if copy:
+        print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
     for frontend in args.frontends.split(","):
         for mib in map(int, args.sizes_mib.split(",")):
@@ -169,13 +193,18 @@ def main():
                          "shape": f"cache={cache_mib:.0f}MiB,tokens={NEW_TOKENS}",
                          "cache_bytes": num_pages * PAGE_SIZE * SLOT_BYTES,
                          "time_us": round(seconds * 1e6, 1)})
-            print(f"{frontend:10} cache {cache_mib:7.0f} MiB: {seconds * 1e6:10.1f} us per step",
-                  flush=True)
+            # What copying the cache once (read + write) would add to a step.
+            copy_note = ""
+            if copy:
+                rows[-1]["cache_copy_us"] = round(2 * rows[-1]["cache_bytes"] / copy / 1e3, 1)
+                copy_note = f" (a copy of the cache: {rows[-1]['cache_copy_us']:.1f} us)"
+            print(f"{frontend:10} cache {cache_mib:7.0f} MiB: {seconds * 1e6:10.1f} us per step"
+                  + copy_note, flush=True)
         times = [r["time_us"] for r in rows if r["impl"] == frontend]
         print(f"{frontend:10} largest / smallest cache: {times[-1] / times[0]:.2f}")
     with open(args.out, "w") as f:
-        json.dump({"machine": platform.node(), "new_tokens": NEW_TOKENS, "rows": rows}, f,
-                  indent=1)
+        json.dump({"machine": platform.node(), "new_tokens": NEW_TOKENS, "copy_gbps":
+                   round(copy, 1) if copy else None, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ fi
 if [[ $PHASE == kv_cache ]]; then
   step "KV-cache write step time against cache size: bench/kv_cache_bench.py"
   python3 bench/kv_cache_bench.py --frontends jax,torchax --sizes-mib 4,64,512,2048,8192 \
-    --out "$OUT/$GPU-kv-cache.json" 2>&1 | grep -E "per step|largest" | tee -a "$TESTS" || status=1
+    --out "$OUT/$GPU-kv-cache.json" 2>&1 | grep -E "per step|largest|copy bandwidth" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
 fi
