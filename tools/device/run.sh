@@ -9,10 +9,11 @@
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
-#   tools/device/run.sh [all|tests|bench|kv_cache|ragged]   (all: tests and bench; each fits 10
-#   minutes)
+#   tools/device/run.sh [all|tests|bench|kv_cache|ragged|sanitize_jax]   (all: tests and bench;
+#   each fits 10 minutes)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 #   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
+#   sanitize_jax: compute-sanitizer over the JAX path only (also part of tests)
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -26,13 +27,36 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 TESTS="$OUT/$GPU-tests.txt"
+
+# The handlers through JAX's XLA GPU (the path users run), under memcheck and racecheck.
+sanitize_jax() {
+  local tool
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer --tool $tool through JAX: kv_cache_update, simple_add, ragged attention"
+    XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda timeout 200 compute-sanitizer \
+      --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+      -W ignore::DeprecationWarning tests/kernels/test_kv_cache_update.py \
+      tests/kernels/test_simple_add.py tests/kernels/test_ragged_paged_attention.py \
+      -k "not random and not long_rows" > "/tmp/sanitizer-jax-$tool.txt" 2>&1
+    local code=$?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-jax-$tool.txt" | tee -a "$TESTS"
+    [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-jax-$tool.txt" | tee -a "$TESTS"; }
+  done
+}
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged ]] || : > "$TESTS"
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == sanitize_jax ]] || \
+  : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step "build: tools/device/build_kernels.sh"
 tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
+
+if [[ $PHASE == sanitize_jax ]]; then
+  sanitize_jax
+  step "done, status $status"
+  exit $status
+fi
 
 if [[ $PHASE == ragged ]]; then
   step "ragged paged attention against its roofline: bench/ragged_bench.py"
@@ -74,15 +98,7 @@ for tool in memcheck racecheck synccheck; do
   [[ $code == 0 ]] || { status=1; tail -30 /tmp/sanitizer.txt | tee -a "$TESTS"; }
 done
 
-# The same handlers through JAX's XLA GPU (the path users run), under memcheck.
-step "compute-sanitizer --tool memcheck: tests/kernels/test_kv_cache_update.py, test_simple_add.py through JAX"
-XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda timeout 420 compute-sanitizer \
-  --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-  -W ignore::DeprecationWarning tests/kernels/test_kv_cache_update.py tests/kernels/test_simple_add.py \
-  > /tmp/sanitizer-jax.txt 2>&1
-code=$?
-grep -E "ERROR SUMMARY|passed|failed" /tmp/sanitizer-jax.txt | tee -a "$TESTS"
-[[ $code == 0 ]] || { status=1; tail -30 /tmp/sanitizer-jax.txt | tee -a "$TESTS"; }
+sanitize_jax
 
 step "our CUDA handlers registered into JAX's CUDA PJRT plugin through its FFI extension"
 python3 tests/gpu/plugin_registration.py > "$OUT/$GPU-plugin.txt" 2>&1 || status=1
