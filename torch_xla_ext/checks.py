@@ -130,12 +130,12 @@ def paged_attention_values(seq_lens, block_tables, block_size, num_blocks):
               f"block_tables[{s}][{b}] = {block_tables[s, b]}")
 
 
-def slot_values(slot_mapping, num_slots):
-    """Slots below num_blocks * block_size (negative ones are skipped)."""
+def slot_values(op, slot_mapping, num_slots, capacity):
+    """Slots below num_slots (negative ones are skipped); `capacity` names that bound, e.g.
+    "num_blocks * block_size"."""
     if slot_mapping.size and slot_mapping.max() >= num_slots:
         i = int(np.argmax(slot_mapping >= num_slots))
-        _fail("xla_ext.reshape_and_cache", "slot_mapping",
-              f"slots < num_blocks * block_size = {num_slots}",
+        _fail(op, "slot_mapping", f"slots < {capacity} = {num_slots}",
               f"slot_mapping[{i}] = {slot_mapping[i]}")
 
 
@@ -180,15 +180,6 @@ def kv_cache_update_slices(kv, slot_mapping, kv_cache, num_kv_update_slices, pag
         _fail(op, "page_size", f"a positive divisor of num_cache_rows = {rows}", f"{page_size}")
     if not isinstance(num_slices_per_block, int) or num_slices_per_block <= 0:
         _fail(op, "num_slices_per_block", "a positive integer", f"{num_slices_per_block}")
-
-
-def kv_slot_values(slot_mapping, num_slots):
-    """Slots below num_pages * page_size (negative ones are skipped)."""
-    if slot_mapping.size and slot_mapping.max() >= num_slots:
-        i = int(np.argmax(slot_mapping >= num_slots))
-        _fail("xla_ext.kv_cache_update", "slot_mapping",
-              f"slots < num_pages * page_size = {num_slots}",
-              f"slot_mapping[{i}] = {slot_mapping[i]}")
 
 
 def slice_values(slot_mapping, num_kv_update_slices, num_new_rows, num_cache_rows):

@@ -64,7 +64,8 @@ RESHAPE_AND_CACHE = OpDef(
     check=checks.reshape_and_cache,
     value_args=("slot_mapping",),
     check_values=lambda a, v: checks.slot_values(
-        v["slot_mapping"], a["key_cache"].shape[0] * a["key_cache"].shape[1]),
+        "xla_ext.reshape_and_cache", v["slot_mapping"],
+        a["key_cache"].shape[0] * a["key_cache"].shape[1], "num_blocks * block_size"),
 )
 
 KV_CACHE_UPDATE = OpDef(
@@ -80,8 +81,9 @@ KV_CACHE_UPDATE = OpDef(
     writes={0: "kv_cache"},
     check=checks.kv_cache_update,
     value_args=("slot_mapping",),
-    check_values=lambda a, v: checks.kv_slot_values(
-        v["slot_mapping"], a["kv_cache"].shape[0] * a["kv_cache"].shape[1]),
+    check_values=lambda a, v: checks.slot_values(
+        "xla_ext.kv_cache_update", v["slot_mapping"],
+        a["kv_cache"].shape[0] * a["kv_cache"].shape[1], "num_pages * page_size"),
 )
 
 KV_CACHE_UPDATE_SLICES = OpDef(
