@@ -54,6 +54,21 @@ template <typename Fn>
   return ::xla::ffi::Error::Success();
 }
 
+// For an op that writes into a buffer in place (a KV cache): when XLA gave the result a
+// buffer of its own instead of aliasing it to the input, the result starts as a copy.
+inline ::xla::ffi::Error CopyUnlessAliased(std::string_view op,
+                                           const ::xla::ffi::AnyBuffer& input,
+                                           ::xla::ffi::AnyBuffer& result, cudaStream_t stream) {
+  if (result.untyped_data() == input.untyped_data() || input.size_bytes() == 0) {
+    return ::xla::ffi::Error::Success();
+  }
+  if (cudaMemcpyAsync(result.untyped_data(), input.untyped_data(), input.size_bytes(),
+                      cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
+    return LastLaunchError(op);
+  }
+  return ::xla::ffi::Error::Success();
+}
+
 // Split-KV partial results: for `slots` (row, partition) pairs, the unnormalised outputs
 // [slots, head_size], then the maxima and the sums [slots] each, in one scratch buffer.
 struct PartialResults {

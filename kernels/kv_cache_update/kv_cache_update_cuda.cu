@@ -77,25 +77,12 @@ ffi::Error DispatchWord(int bytes, Launch&& launch) {
   return ffi::Error::Success();
 }
 
-// Without aliasing the result starts as a copy of the cache.
-ffi::Error StartFromCache(const char* target, const ffi::AnyBuffer& kv_cache,
-                          ffi::AnyBuffer& kv_cache_out, cudaStream_t stream) {
-  if (kv_cache_out.untyped_data() == kv_cache.untyped_data() || kv_cache.size_bytes() == 0) {
-    return ffi::Error::Success();
-  }
-  if (cudaMemcpyAsync(kv_cache_out.untyped_data(), kv_cache.untyped_data(),
-                      kv_cache.size_bytes(), cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
-    return cuda::LastLaunchError(target);
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error KvCacheUpdateCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer value,
                              ffi::AnyBuffer kv_cache, ffi::AnyBuffer slot_mapping,
                              ffi::Result<ffi::AnyBuffer> kv_cache_out) {
   SlotShapes s;
   XLA_EXT_RETURN_IF_ERROR(CheckSlots(key, value, kv_cache, slot_mapping, *kv_cache_out, s));
-  XLA_EXT_RETURN_IF_ERROR(StartFromCache(kTarget, kv_cache, *kv_cache_out, stream));
+  XLA_EXT_RETURN_IF_ERROR(cuda::CopyUnlessAliased(kTarget, kv_cache, *kv_cache_out, stream));
   if (s.num_tokens == 0 || s.row_bytes == 0 || s.num_kv_heads == 0) {
     return ffi::Error::Success();
   }
@@ -126,7 +113,8 @@ ffi::Error KvCacheUpdateSlicesCuda(cudaStream_t stream, ffi::AnyBuffer kv, ffi::
   SliceShapes s;
   XLA_EXT_RETURN_IF_ERROR(CheckSlices(kv, slices, kv_cache, num_slices, page_size,
                                       num_slices_per_block, *kv_cache_out, s));
-  XLA_EXT_RETURN_IF_ERROR(StartFromCache(kSlicesTarget, kv_cache, *kv_cache_out, stream));
+  XLA_EXT_RETURN_IF_ERROR(
+      cuda::CopyUnlessAliased(kSlicesTarget, kv_cache, *kv_cache_out, stream));
   if (s.max_slices == 0 || s.row_bytes == 0) return ffi::Error::Success();
   if (s.max_slices > INT32_MAX) {
     return ArgumentError(kSlicesTarget, "slot_mapping", "fewer than 2^31 columns",

@@ -44,16 +44,9 @@ ffi::Error ReshapeAndCacheCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::Any
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(Check(key, value, key_cache, value_cache, slot_mapping, *key_cache_out,
                                 *value_cache_out, s));
-  // Without aliasing the results start as copies of the caches.
-  for (auto [cache, out] : {std::pair{&key_cache, &*key_cache_out},
-                            std::pair{&value_cache, &*value_cache_out}}) {
-    if (out->untyped_data() != cache->untyped_data() && cache->size_bytes() > 0) {
-      if (cudaMemcpyAsync(out->untyped_data(), cache->untyped_data(), cache->size_bytes(),
-                          cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
-        return cuda::LastLaunchError(kTarget);
-      }
-    }
-  }
+  XLA_EXT_RETURN_IF_ERROR(cuda::CopyUnlessAliased(kTarget, key_cache, *key_cache_out, stream));
+  XLA_EXT_RETURN_IF_ERROR(
+      cuda::CopyUnlessAliased(kTarget, value_cache, *value_cache_out, stream));
   if (s.num_tokens == 0 || s.row_elements == 0) return ffi::Error::Success();
   if (s.num_tokens > INT32_MAX) {
     return ArgumentError(kTarget, "key", "fewer than 2^31 tokens",
