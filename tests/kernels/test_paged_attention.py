@@ -76,6 +76,30 @@ def test_one_very_long_sequence():
     check([69000], 8, 8, 128, 16, torch.bfloat16)
 
 
+# Batches whose lengths differ widely, as a serving system's do: lengths 0, 1, block_size +- 1,
+# a block edge, one long beside short ones, all empty but one, a long tail, and more sequences
+# than an H100 has SMs. On CUDA they exercise how the kernels split a batch between CTAs.
+SKEWED_BATCHES = {
+    "edges": [0, 1, 15, 16, 17, 0, 31, 33, 0],
+    "one_long_among_short": [9000] + [1, 17, 256, 3, 0, 40, 255] * 3,
+    "all_empty_but_one": [0] * 7 + [2000] + [0] * 8,
+    "all_empty_but_one_short": [0] * 5 + [3],
+    "many_short": [(7 * i) % 50 for i in range(300)],
+    "long_tail": [int(4000 * 0.6 ** i) + i % 3 for i in range(24)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch", SKEWED_BATCHES, ids=str)
+def test_skewed_batches(batch, dtype):
+    check(SKEWED_BATCHES[batch], 8, 2, 128, 16, dtype)
+
+
+def test_skewed_batch_with_a_large_gqa_group():
+    # 16 query heads per kv head: the MMA tiles' upper rows, and pieces split between CTAs.
+    check([5000, 1, 0, 300, 17], 32, 2, 64, 16, torch.float16)
+
+
 @pytest.mark.parametrize("softcap,alibi", [(30.0, False), (0.0, True), (5.0, True)],
                          ids=["softcap", "alibi", "softcap+alibi"])
 def test_softcap_and_alibi(softcap, alibi):

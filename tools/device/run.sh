@@ -14,6 +14,10 @@
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 #   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
 #   sanitize_jax: compute-sanitizer over the JAX path only (also part of tests)
+#   decode:   paged decode attention on skewed batches: its GPU tests (both kernels, torch and
+#             JAX, memcheck and racecheck), bench/decode_bench.py (the five uniform shapes) and
+#             bench/decode_mixes_bench.py with FlashInfer (tools/device/flashinfer_tree.sh)
+#             -> <gpu>-decode-tests.txt, <gpu>-decode-uniform.json, <gpu>-decode-mixes.json
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -27,6 +31,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 TESTS="$OUT/$GPU-tests.txt"
+[[ $PHASE == decode ]] && TESTS="$OUT/$GPU-decode-tests.txt"
 
 # The handlers through JAX's XLA GPU (the path users run), under memcheck and racecheck.
 sanitize_jax() {
@@ -54,6 +59,40 @@ tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt
 
 if [[ $PHASE == sanitize_jax ]]; then
   sanitize_jax
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == decode ]]; then
+  step "paged attention through JAX on the GPU: tensor-core kernel, then CUDA-core kernel"
+  XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    tests/kernels/test_paged_attention.py 2>&1 | tail -3 | tee -a "$TESTS" || status=1
+  XLA_EXT_PAGED_ATTENTION_KERNEL=simt XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider \
+    -W ignore::DeprecationWarning tests/kernels/test_paged_attention.py 2>&1 | tail -1 | \
+    sed 's/^/CUDA-core kernel: /' | tee -a "$TESTS" || status=1
+  python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py \
+    2>&1 | tail -1 | tee -a "$TESTS" || status=1
+  step "benchmark: the five uniform shapes (bench/decode_bench.py)"
+  python3 bench/decode_bench.py --skip-add --out "$OUT/$GPU-decode-uniform.json" > /tmp/bench.txt 2>&1 || \
+    { status=1; tail -20 /tmp/bench.txt | tee -a "$TESTS"; }
+  step "benchmark: batch mixes against FlashInfer (bench/decode_mixes_bench.py)"
+  FI_TREE=$(tools/device/flashinfer_tree.sh) || status=1
+  PYTHONPATH="$PYTHONPATH:$FI_TREE" FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws TORCH_CUDA_ARCH_LIST=9.0a \
+    timeout 420 python3 bench/decode_mixes_bench.py --flashinfer --out "$OUT/$GPU-decode-mixes.json" \
+    2>&1 | tee /tmp/mixes.txt | grep -E '"impl": "(xla_ext|flashinfer_tensor_core)"|error|Error' \
+    | cut -c1-220 | tee -a "$TESTS" || status=1
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer --tool $tool through JAX and torch: skewed batches, both kernels"
+    for kernel in tensor_core simt; do
+      XLA_EXT_PAGED_ATTENTION_KERNEL=$kernel XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda \
+        timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        -W ignore::DeprecationWarning tests/kernels/test_paged_attention.py -k "skewed or zero_length" \
+        > "/tmp/sanitizer-$tool.txt" 2>&1
+      code=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-$tool.txt" | sed "s/^/$kernel: /" | tee -a "$TESTS"
+      [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"; }
+    done
+  done
   step "done, status $status"
   exit $status
 fi
