@@ -61,9 +61,17 @@ class OpDef:
         results = ", ".join(["Tensor"] * len(self.writes))
         return f"{arguments} -> {'Tensor' if len(self.writes) == 1 else f'({results})'}"
 
+    @functools.cached_property
+    def _argument_names(self):
+        return [name for name, *_ in self.arguments]
+
+    @functools.cached_property
+    def _attribute_types(self):
+        return {name: np.dtype(dtype).type for name, dtype in self.attributes.items()}
+
     def bind(self, args, kwargs):
         """The call's arguments as {name: value}, defaults applied."""
-        names = [name for name, *_ in self.arguments]
+        names = self._argument_names
         if len(args) > len(names):
             raise TorchXlaExtError(f"{self.target}: expected at most {len(names)} arguments "
                                    f"({', '.join(names)}), got {len(args)}")
@@ -91,9 +99,8 @@ class OpDef:
 
     def attribute_values(self, args):
         """{attribute: NumPy scalar of the attribute's dtype}."""
-        return {name: np.dtype(dtype).type(self.attribute_none[name] if args[name] is None
-                                           else args[name])
-                for name, dtype in self.attributes.items()}
+        return {name: type_(self.attribute_none[name] if args[name] is None else args[name])
+                for name, type_ in self._attribute_types.items()}
 
     def operand_values(self, args, empty):
         """The handler's operands; `empty(shape, dtype name, like)` makes an absent one."""
