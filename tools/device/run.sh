@@ -11,7 +11,8 @@
 #
 #   tools/device/run.sh [all|tests|bench|kv_cache|ragged]   (all: tests and bench; each fits
 #   10 minutes)
-#   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three)
+#   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
+#   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 #   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
 #   sanitize: compute-sanitizer over the GPU tests, torch and JAX paths, with the debug checks
@@ -29,7 +30,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 TESTS="$OUT/$GPU-tests.txt"
-[[ $PHASE == sanitize ]] && TESTS="$OUT/$GPU-sanitize.txt"
+if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
+  shift
+  SANITIZERS=("$@")
+  TESTS="$OUT/$GPU-sanitize$(printf -- '-%s' "${SANITIZERS[@]}").txt"
+  (( ${#SANITIZERS[@]} )) || { SANITIZERS=(memcheck racecheck synccheck); TESTS="$OUT/$GPU-sanitize.txt"; }
+fi
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning)
 
 # compute-sanitizer over the GPU tests. Each run is one process (JAX and torch share the GPU:
@@ -73,10 +79,7 @@ step "build: tools/device/build_kernels.sh"
 tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
 
 if [[ $PHASE == sanitize ]]; then
-  shift
-  tools=("$@")
-  (( ${#tools[@]} )) || tools=(memcheck racecheck synccheck)
-  sanitize "${tools[@]}"
+  sanitize "${SANITIZERS[@]}"
   step "done, status $status"
   exit $status
 fi
