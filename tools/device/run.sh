@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # The GPU proof, in one command on the GPU machine (no Bazel there):
 #   build the kernels with its nvcc (sm_80, sm_90a, compute_90), run every GPU test (CUDA
-#   handlers through JAX's XLA GPU, through torchax, through torch on CUDA tensors), the
-#   compute-sanitizer memcheck and racecheck runs, the registration of our CUDA handlers into
-#   JAX's CUDA PJRT plugin by our own path, the benchmark, and an ncu profile of paged attention.
+#   handlers through JAX's XLA GPU, through torchax, through torch on CUDA tensors; again with
+#   XLA_EXT_DEBUG_CHECKS=1), the registration of our CUDA handlers into JAX's CUDA PJRT plugin
+#   by our own path, the benchmark, and an ncu profile of paged attention.
 # Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt, <gpu>-kernel-times.json,
 # <gpu>-dispatch-command-buffers.txt, <gpu>-dispatch-record-probe.txt and <gpu>-ncu.txt to $OUT
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
-#   tools/device/run.sh [all|tests|bench|kv_cache|ragged|sanitize_jax]   (all: tests and bench;
-#   each fits 10 minutes)
+#   tools/device/run.sh [all|tests|bench|kv_cache|ragged]   (all: tests and bench; each fits
+#   10 minutes)
+#   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
+#   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 #   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
-#   sanitize_jax: compute-sanitizer over the JAX path only (also part of tests)
 #   decode:   paged decode attention on skewed batches: its GPU tests (both kernels, torch and
 #             JAX, memcheck and racecheck), bench/decode_bench.py (the five uniform shapes) and
 #             bench/decode_mixes_bench.py with FlashInfer (tools/device/flashinfer_tree.sh)
 #             -> <gpu>-decode-tests.txt, <gpu>-decode-uniform.json, <gpu>-decode-mixes.json
+#   sanitize: compute-sanitizer over the GPU tests, torch and JAX paths, with the debug checks
+#             on and (memcheck) off -> <gpu>-sanitize.txt; not part of tests or all
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -32,46 +35,68 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == decode ]] && TESTS="$OUT/$GPU-decode-tests.txt"
+if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
+  shift
+  SANITIZERS=("$@")
+  TESTS="$OUT/$GPU-sanitize$(printf -- '-%s' "${SANITIZERS[@]}").txt"
+  (( ${#SANITIZERS[@]} )) || { SANITIZERS=(memcheck racecheck synccheck); TESTS="$OUT/$GPU-sanitize.txt"; }
+fi
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning)
 
-# The handlers through JAX's XLA GPU (the path users run), under memcheck and racecheck.
-sanitize_jax() {
+# compute-sanitizer over the GPU tests. Each run is one process (JAX and torch share the GPU:
+# no preallocation); the kernel tests that only repeat covered code paths at sizes the
+# sanitizers make slow (random shapes, rows of thousands of tokens) are left out.
+KERNEL_TESTS=(tests/kernels/test_kv_cache_update.py tests/kernels/test_paged_attention.py
+              tests/kernels/test_ragged_paged_attention.py tests/kernels/test_reshape_and_cache.py
+              tests/kernels/test_simple_add.py)
+SANITIZER_DESELECT="not random and not long_rows and not very_long"
+sanitize_run() {  # tool, debug checks (0/1), label, pytest arguments...
+  local tool="$1" debug="$2" label="$3"
+  shift 3
+  step "compute-sanitizer --tool $tool, XLA_EXT_DEBUG_CHECKS=$debug: $label"
+  XLA_EXT_DEBUG_CHECKS="$debug" XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 compute-sanitizer --tool "$tool" \
+    --error-exitcode 9 "${PYTEST[@]}" "$@" > "/tmp/sanitizer-$tool.txt" 2>&1
+  local code=$?
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"
+  [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"; }
+}
+sanitize() {  # tools...
+  command -v compute-sanitizer > /dev/null || { step "compute-sanitizer: not installed"; status=1; return; }
   local tool
-  for tool in memcheck racecheck; do
-    step "compute-sanitizer --tool $tool through JAX: kv_cache_update, simple_add, ragged attention"
-    XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda timeout 200 compute-sanitizer \
-      --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-      -W ignore::DeprecationWarning tests/kernels/test_kv_cache_update.py \
-      tests/kernels/test_simple_add.py tests/kernels/test_ragged_paged_attention.py \
-      -k "not random and not long_rows" > "/tmp/sanitizer-jax-$tool.txt" 2>&1
-    local code=$?
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-jax-$tool.txt" | tee -a "$TESTS"
-    [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-jax-$tool.txt" | tee -a "$TESTS"; }
+  for tool in "$@"; do
+    # The kernels' own handling of bad data (skip, clamp) runs only with the checks off.
+    [[ $tool == memcheck ]] && sanitize_run "$tool" 0 "kernel tests through JAX" \
+      "${KERNEL_TESTS[@]}" -k "$SANITIZER_DESELECT"
+    # With them on: the check kernels too, on every valid call and on the bad ones; the
+    # CUDA-graph cases start processes of their own, which the sanitizer would not see.
+    sanitize_run "$tool" 1 "kernel tests through JAX, torch on CUDA tensors, debug checks" \
+      "${KERNEL_TESTS[@]}" tests/gpu/torch_cuda_test.py tests/gpu/debug_checks_test.py \
+      -k "$SANITIZER_DESELECT and not opcheck and not cuda_graph"
   done
 }
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == sanitize_jax ]] || \
-  : > "$TESTS"
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged ]] || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step "build: tools/device/build_kernels.sh"
 tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
 
-if [[ $PHASE == sanitize_jax ]]; then
-  sanitize_jax
+if [[ $PHASE == sanitize ]]; then
+  sanitize "${SANITIZERS[@]}"
   step "done, status $status"
   exit $status
 fi
 
 if [[ $PHASE == decode ]]; then
   step "paged attention through JAX on the GPU: tensor-core kernel, then CUDA-core kernel"
-  XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-    tests/kernels/test_paged_attention.py 2>&1 | tail -3 | tee -a "$TESTS" || status=1
-  XLA_EXT_PAGED_ATTENTION_KERNEL=simt XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider \
-    -W ignore::DeprecationWarning tests/kernels/test_paged_attention.py 2>&1 | tail -1 | \
-    sed 's/^/CUDA-core kernel: /' | tee -a "$TESTS" || status=1
-  python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py \
-    2>&1 | tail -1 | tee -a "$TESTS" || status=1
+  XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/kernels/test_paged_attention.py 2>&1 | tail -3 | \
+    tee -a "$TESTS" || status=1
+  XLA_EXT_PAGED_ATTENTION_KERNEL=simt XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
+    tests/kernels/test_paged_attention.py 2>&1 | tail -1 | sed 's/^/CUDA-core kernel: /' | \
+    tee -a "$TESTS" || status=1
+  "${PYTEST[@]}" tests/gpu/torch_cuda_test.py 2>&1 | tail -1 | tee -a "$TESTS" || status=1
   step "benchmark: the five uniform shapes (bench/decode_bench.py)"
   python3 bench/decode_bench.py --skip-add --out "$OUT/$GPU-decode-uniform.json" > /tmp/bench.txt 2>&1 || \
     { status=1; tail -20 /tmp/bench.txt | tee -a "$TESTS"; }
@@ -82,16 +107,10 @@ if [[ $PHASE == decode ]]; then
     2>&1 | tee /tmp/mixes.txt | grep -E '"impl": "(xla_ext|flashinfer_tensor_core)"|error|Error' \
     | cut -c1-220 | tee -a "$TESTS" || status=1
   for tool in memcheck racecheck; do
-    step "compute-sanitizer --tool $tool through JAX and torch: skewed batches, both kernels"
-    for kernel in tensor_core simt; do
-      XLA_EXT_PAGED_ATTENTION_KERNEL=$kernel XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda \
-        timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        -W ignore::DeprecationWarning tests/kernels/test_paged_attention.py -k "skewed or zero_length" \
-        > "/tmp/sanitizer-$tool.txt" 2>&1
-      code=$?
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-$tool.txt" | sed "s/^/$kernel: /" | tee -a "$TESTS"
-      [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"; }
-    done
+    XLA_EXT_PAGED_ATTENTION_KERNEL=tensor_core sanitize_run "$tool" 0 "skewed batches, tensor-core kernel" \
+      tests/kernels/test_paged_attention.py -k "skewed or zero_length"
+    XLA_EXT_PAGED_ATTENTION_KERNEL=simt sanitize_run "$tool" 0 "skewed batches, CUDA-core kernel" \
+      tests/kernels/test_paged_attention.py -k "skewed or zero_length"
   done
   step "done, status $status"
   exit $status
@@ -126,18 +145,16 @@ XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::D
 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py \
   2>&1 | tail -3 | tee -a "$TESTS" || status=1
 
-# The sanitizers run the CUDA handlers through torch (one process, no XLA autotuning noise).
-for tool in memcheck racecheck synccheck; do
-  command -v compute-sanitizer > /dev/null || { step "compute-sanitizer: not installed"; break; }
-  step "compute-sanitizer --tool $tool: tests/gpu/torch_cuda_test.py"
-  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py -k "not opcheck" > /tmp/sanitizer.txt 2>&1
-  code=$?
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/sanitizer.txt | tee -a "$TESTS"
-  [[ $code == 0 ]] || { status=1; tail -30 /tmp/sanitizer.txt | tee -a "$TESTS"; }
-done
-
-sanitize_jax
+# XLA_EXT_DEBUG_CHECKS=1: no valid call of the kernel tests is refused, their bad-data cases
+# now expect the Host handler's errors, and tests/gpu/debug_checks_test.py checks the errors,
+# the caches and the next call on both paths; then that file again with the checks off.
+step "XLA_EXT_DEBUG_CHECKS=1: tests/kernels, tests/gpu/torch_cuda_test.py, tests/gpu/debug_checks_test.py"
+XLA_EXT_DEBUG_CHECKS=1 XLA_EXT_TEST_PLATFORM=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false "${PYTEST[@]}" \
+  tests/kernels tests/gpu/torch_cuda_test.py tests/gpu/debug_checks_test.py 2>&1 | tail -3 | \
+  tee -a "$TESTS" || status=1
+step "debug checks off: tests/gpu/debug_checks_test.py"
+XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/gpu/debug_checks_test.py 2>&1 | tail -3 | \
+  tee -a "$TESTS" || status=1
 
 step "our CUDA handlers registered into JAX's CUDA PJRT plugin through its FFI extension"
 python3 tests/gpu/plugin_registration.py > "$OUT/$GPU-plugin.txt" 2>&1 || status=1
