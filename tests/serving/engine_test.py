@@ -86,6 +86,21 @@ def test_tied_embeddings_and_llama3_rope(expected):
     assert got == [hf.reference_generate(tied, p, 6)[0] for p in tied_prompts]
 
 
+def test_logits_of_each_new_token_equal_transformers_forward(model):
+    """with_logits: each new token's logits, against transformers' forward of the same tokens
+    (what bench/serving_compare.py reports on the GPU)."""
+    engine = Engine(model, backend="torch_xla", with_logits=True, **ENGINE_ARGS)
+    requests = prompts(model.config.vocab_size)[:3]
+    logits = {}
+    tokens = engine.generate(requests, 3, [0, 0, 1], on_step=lambda out: [
+        logits.setdefault(seq_id, []).append(row) for seq_id, row in out.logits.items()])
+    for i, (prompt, generated) in enumerate(zip(requests, tokens)):
+        with torch.no_grad():
+            want = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:]
+        for step, row in enumerate(logits[i]):
+            torch.testing.assert_close(torch.as_tensor(row), want[step], atol=2e-5, rtol=0)
+
+
 def test_bad_requests_name_the_argument(model):
     from torch_xla_ext import TorchXlaExtError
 

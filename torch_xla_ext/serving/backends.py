@@ -73,6 +73,7 @@ class TorchaxBackend:
         return jax.devices()[0]
 
     def put(self, weights, cache_shapes, cache_dtype):
+        weights = _map(lambda t: t.cpu(), weights)  # outside the environment: torch's own .cpu()
         with self.env:
             weights = _map(lambda t: t.to("jax"), weights)
             caches = [torch.zeros(s, dtype=cache_dtype, device="jax") for s in cache_shapes]

@@ -72,21 +72,25 @@ def build(chunks, tables, layout, page_size, num_pages):
     tables[i] is chunks[i]'s block table. Checked as the ops would check it."""
     packed = np.zeros(layout.size, np.int32)
     a = layout.unpack(packed)  # views: writing them fills packed
-    a["slot_mapping"][:] = -1  # padding rows write nothing
-    row = 0
-    for i, (chunk, table) in enumerate(zip(chunks, tables)):
-        positions = np.arange(chunk.start, chunk.start + chunk.num_tokens)
-        rows = slice(row, row + chunk.num_tokens)
-        a["token_ids"][rows] = [chunk.seq.token(p) for p in positions]
-        a["positions"][rows] = positions
-        pages = np.asarray(table, np.int32)
-        a["slot_mapping"][rows] = pages[positions // page_size] * page_size + positions % page_size
-        a["kv_lens"][i] = chunk.start + chunk.num_tokens
-        a["page_indices"][i, :len(pages)] = pages
-        row += chunk.num_tokens
-        a["cu_q_lens"][i + 1:] = row  # entries past num_seqs stay monotone
-        a["sample_rows"][i] = row - 1
-    a["num_seqs"][0] = len(chunks)
+    count = len(chunks)
+    lens = np.fromiter((c.num_tokens for c in chunks), np.int64, count)
+    starts = np.fromiter((c.start for c in chunks), np.int64, count)
+    ends = np.cumsum(lens)  # each chunk's last row + 1
+    rows = int(ends[-1]) if count else 0
+    for i, table in enumerate(tables):
+        a["page_indices"][i, :len(table)] = table
+    # Row r of chunk i holds position starts[i] + (r - first row of i).
+    positions = np.arange(rows) + np.repeat(starts - (ends - lens), lens)
+    a["token_ids"][:rows] = [t for c in chunks for t in c.seq.tokens(c.start, c.start + c.num_tokens)]
+    a["positions"][:rows] = positions
+    pages = a["page_indices"][np.repeat(np.arange(count), lens), positions // page_size]
+    a["slot_mapping"][:rows] = pages * page_size + positions % page_size
+    a["slot_mapping"][rows:] = -1  # padding rows write nothing
+    a["kv_lens"][:count] = starts + lens
+    a["cu_q_lens"][1:] = rows  # entries past num_seqs stay monotone
+    a["cu_q_lens"][1:count + 1] = ends
+    a["sample_rows"][:count] = ends - 1
+    a["num_seqs"][0] = count
     checks.slot_values("xla_ext.kv_cache_update", a["slot_mapping"], num_pages * page_size,
                        "num_pages * page_size")
     checks.ragged_values(a["kv_lens"], a["page_indices"], a["cu_q_lens"], a["num_seqs"],

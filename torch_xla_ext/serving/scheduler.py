@@ -37,9 +37,14 @@ class Sequence:
         """Tokens known so far: the prompt and the generated ones."""
         return len(self.prompt) + len(self.output)
 
-    def token(self, index):
-        return self.prompt[index] if index < len(self.prompt) else \
-            self.output[index - len(self.prompt)]
+    def tokens(self, start, end):
+        """Tokens start ... end - 1 of the prompt followed by the generated ones."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
 
     @property
     def max_cached_tokens(self):
