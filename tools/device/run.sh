@@ -9,10 +9,15 @@
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
-#   tools/device/run.sh [all|tests|bench|kv_cache|ragged|sanitize_jax]   (all: tests and bench;
-#   each fits 10 minutes)
+#   tools/device/run.sh [all|tests|bench|kv_cache|ragged|sanitize_jax|serving]   (all: tests and
+#   bench; each fits 10 minutes)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 #   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
+#   serving:  the serving loop (torch_xla_ext/serving) through torchax against transformers on
+#             this GPU: bench/serving_compare.py -> <gpu>-serving-compare.json (tokens, first
+#             divergence, logit differences) and bench/serving_bench.py -> <gpu>-serving.json
+#             (throughput, time per step, profile); logs in <gpu>-serving.txt. Needs the
+#             transformers wheel in .whl/ too (bench/README.md)
 #   sanitize_jax: compute-sanitizer over the JAX path only (also part of tests)
 set -uo pipefail
 PHASE="${1:-all}"
@@ -45,8 +50,8 @@ sanitize_jax() {
 }
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == sanitize_jax ]] || \
-  : > "$TESTS"
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == sanitize_jax ||
+   $PHASE == serving ]] || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step "build: tools/device/build_kernels.sh"
@@ -62,6 +67,19 @@ if [[ $PHASE == ragged ]]; then
   step "ragged paged attention against its roofline: bench/ragged_bench.py"
   python3 bench/ragged_bench.py --out "$OUT/$GPU-ragged.json" 2>&1 | grep -E " us |copy|failed|Error" \
     | tee -a "$TESTS" || status=1
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == serving ]]; then
+  LOG="$OUT/$GPU-serving.txt"
+  : > "$LOG"
+  step "serving loop vs transformers (transformers $(python3 -c 'import transformers; print(transformers.__version__)'), torchax $(python3 -c 'import torchax; print(torchax.__version__)'))" | tee -a "$LOG"
+  timeout 180 python3 bench/serving_compare.py --out "$OUT/$GPU-serving-compare.json" 2>&1 | \
+    grep -v -i warn | tee -a "$LOG" | grep -E "requests equal|wrote|Error" | tee -a "$TESTS" || status=1
+  step "serving loop throughput: bench/serving_bench.py" | tee -a "$LOG"
+  timeout 330 python3 bench/serving_bench.py --out "$OUT/$GPU-serving.json" 2>&1 | \
+    grep -v -i warn | tee -a "$LOG" | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
 fi

@@ -28,17 +28,18 @@ def _transformers():
     return import_dependency("transformers", "torch_xla_ext.serving", TRANSFORMERS_INSTALL)
 
 
-def random_model(config, seed=0, dtype=torch.float32):
+def random_model(config, seed=0, dtype=torch.float32, device="cpu"):
     """A LlamaForCausalLM with transformers' random initialisation under torch.manual_seed(seed),
-    its RMSNorm weights then drawn around 1 (they start at exactly 1, which would leave the
-    norms' scaling untested)."""
+    made on `device`, its RMSNorm weights then drawn around 1 (they start at exactly 1, which
+    would leave the norms' scaling untested)."""
     transformers = _transformers()
     rope_theta = config.get("rope_theta")
     config = {k: v for k, v in config.items() if k != "rope_theta"}
     if rope_theta is not None:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
