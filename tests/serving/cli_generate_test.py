@@ -41,3 +41,17 @@ def test_text_prompts_need_a_tokenizer():
                             capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
     assert result.returncode != 0
     assert "--prompt needs a tokenizer" in result.stderr
+
+
+def test_a_local_checkpoint(tmp_path):
+    """--checkpoint DIR: a transformers checkpoint saved to disk (no tokenizer: token prompts)."""
+    from torch_xla_ext.serving import hf
+
+    hf.random_model(dict(hf.TINY, num_hidden_layers=1), seed=5).save_pretrained(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "torch_xla_ext", "generate", "--checkpoint",
+                             str(tmp_path), "--prompt_lens", "4,9", "--max_new_tokens", "3",
+                             "--check"], capture_output=True, text=True,
+                            env=dict(os.environ, PJRT_DEVICE="CPU"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"model: checkpoint {tmp_path}: 1 layers" in result.stdout
+    assert result.stdout.count("equal to transformers' generate") == 2
