@@ -9,8 +9,8 @@
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
-#   tools/device/run.sh [all|tests|bench|kv_cache|ragged]   (all: tests and bench; each fits
-#   10 minutes)
+#   tools/device/run.sh [all|tests|bench|kv_cache|ragged|decode|serving]   (all: tests and
+#   bench; each fits 10 minutes)
 #   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
 #   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
@@ -21,6 +21,12 @@
 #             -> <gpu>-decode-tests.txt, <gpu>-decode-uniform.json, <gpu>-decode-mixes.json
 #   sanitize: compute-sanitizer over the GPU tests, torch and JAX paths, with the debug checks
 #             on and (memcheck) off -> <gpu>-sanitize.txt; not part of tests or all
+#   serving:  the serving loop (torch_xla_ext/serving) through torchax against transformers on
+#             this GPU: bench/serving_compare.py -> <gpu>-serving-compare.json (tokens, first
+#             divergence, logit differences) and bench/serving_bench.py -> <gpu>-serving.json
+#             (throughput, time per step, profile); logs in <gpu>-serving.txt, its summary
+#             lines in <gpu>-serving-summary.txt. Needs the
+#             transformers wheel in .whl/ too (bench/README.md)
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -35,6 +41,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == decode ]] && TESTS="$OUT/$GPU-decode-tests.txt"
+[[ $PHASE == serving ]] && TESTS="$OUT/$GPU-serving-summary.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
   SANITIZERS=("$@")
@@ -120,6 +127,19 @@ if [[ $PHASE == ragged ]]; then
   step "ragged paged attention against its roofline: bench/ragged_bench.py"
   python3 bench/ragged_bench.py --out "$OUT/$GPU-ragged.json" 2>&1 | grep -E " us |copy|failed|Error" \
     | tee -a "$TESTS" || status=1
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == serving ]]; then
+  LOG="$OUT/$GPU-serving.txt"
+  : > "$LOG"
+  step "serving loop vs transformers (transformers $(python3 -c 'import transformers; print(transformers.__version__)'), torchax $(python3 -c 'import torchax; print(torchax.__version__)'))" | tee -a "$LOG"
+  timeout 180 python3 bench/serving_compare.py --out "$OUT/$GPU-serving-compare.json" 2>&1 | \
+    grep -v -i warn | tee -a "$LOG" | grep -E "requests equal|wrote|Error" | tee -a "$TESTS" || status=1
+  step "serving loop throughput: bench/serving_bench.py" | tee -a "$LOG"
+  timeout 330 python3 bench/serving_bench.py --out "$OUT/$GPU-serving.json" 2>&1 | \
+    grep -v -i warn | tee -a "$LOG" | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
 fi
