@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from torch_xla_ext.errors import TorchXlaExtError
+from torch_xla_ext.partitioning import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,9 @@ class OpDef:
     check_values: Optional[Callable] = None  # check_values(args, values)
     # Also registered under this (namespace, name) when that op does not exist yet.
     also_as: Optional[tuple] = None
+    # How its tensors split over devices (partitioning.Layout: which dimensions are heads or
+    # batch); jax_ops' custom partitioning and the shard_map and torch_xla SPMD helpers read it.
+    layout: Optional[Layout] = None
 
     @functools.cached_property
     def arguments(self):
