@@ -27,6 +27,10 @@
 #             (throughput, time per step, profile); logs in <gpu>-serving.txt, its summary
 #             lines in <gpu>-serving-summary.txt. Needs the
 #             transformers wheel in .whl/ too (bench/README.md)
+#   tp2:      bench/tp_bench.py --tp 2 (needs two GPUs): one decoder layer's serving step with
+#             heads split over 2 GPUs against 1 GPU, step times and the collective share
+#             -> <gpu>-tp2.json
+#   tp1:      the single-device half of it (any one GPU) -> <gpu>-tp1.json
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -84,7 +88,8 @@ sanitize() {  # tools...
 }
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged ]] || : > "$TESTS"
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == tp1 || $PHASE == tp2 ]] \
+  || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step "build: tools/device/build_kernels.sh"
@@ -119,6 +124,16 @@ if [[ $PHASE == decode ]]; then
     XLA_EXT_PAGED_ATTENTION_KERNEL=simt sanitize_run "$tool" 0 "skewed batches, CUDA-core kernel" \
       tests/kernels/test_paged_attention.py -k "skewed or zero_length"
   done
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == tp1 || $PHASE == tp2 ]]; then
+  step "tensor parallel over heads, ${PHASE#tp} GPU(s): bench/tp_bench.py"
+  # NCCL's NVLink multicast (NVLS) stays off, as the lent multi-GPU machines require.
+  NCCL_NVLS_ENABLE=0 python3 bench/tp_bench.py --tp "${PHASE#tp}" --out "$OUT/$GPU-$PHASE.json" \
+    2>&1 | tail -12 | tee -a "$TESTS"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   step "done, status $status"
   exit $status
 fi
