@@ -7,6 +7,10 @@ CUDA PJRT plugin is installed). Arguments are checked here, with errors naming t
 data such as block ids is checked here too where its values are known (outside jit), and by
 the Host handlers. An op that writes into an argument (a KV cache) returns the new value,
 aliased to that argument: donate it to jax.jit to write in place.
+
+Under jax.jit with sharded arguments each op splits itself over the devices by its layout
+(op_catalog; heads, and batch where natural: custom_partitioning), so each device runs the
+kernel on its own heads with no collective; `sharded` gives the same under jax.shard_map.
 """
 
 import warnings

@@ -187,7 +187,7 @@ class Layout:
                 elif dim[0] in assignment:
                     why = f"the op runs {dim[0]} split over {list(assignment[dim[0]])}"
                 else:
-                    why = (f"the kernel needs each {_label(dim)} whole; it can split "
+                    why = (f"the kernel needs {_label(dim)} whole; it can split "
                            f"{self.splittable(dims) or 'nothing'}")
                 notes.append(f"'{tensor}' dimension {index} ({_label(dim)}) arrives split over "
                              f"mesh axes {list(axes)}: {why}; XLA regathers it")

@@ -217,14 +217,17 @@ def test_simple_add_any_sharding():
     np.testing.assert_array_equal(got, a + b)
 
 
-@pytest.mark.parametrize("case, specs, message", [
-    ("head_size split", [P(None, None, "x"), P(), P(), P(), P()],
+@pytest.mark.parametrize("case, devices, specs, message", [
+    ("head_size split", 4, [P(None, None, "x"), P(), P(), P(), P()],
      r"'query' dimension 2 \(head_size\) arrives split over mesh axes \['x'\]: the kernel "
-     r"needs each head_size whole"),
-    ("kv heads not divisible", [HEADS, P(), P(), P(), P()],
+     r"needs head_size whole"),
+    ("kv heads not divisible", 4, [HEADS, P(), P(), P(), P()],
      r"2 kv_heads do not divide evenly over the 4 devices of axes \['x'\]"),
+    ("cache blocks split", 2, [P(), P("x"), P("x"), P(), P()],
+     r"'key_cache' dimension 0 \(blocks\) arrives split over mesh axes \['x'\]: the kernel "
+     r"needs blocks whole"),
 ])
-def test_unsupported_sharding_is_gathered_with_a_warning(case, specs, message):
+def test_unsupported_sharding_is_gathered_with_a_warning(case, devices, specs, message):
     """A split the kernel cannot run is undone by an all-gather XLA inserts before the call
     (documented in the README), with a ShardingWarning saying which dimension and why; the
     result is still right."""
@@ -232,7 +235,7 @@ def test_unsupported_sharding_is_gathered_with_a_warning(case, specs, message):
     arrays = [a[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
     fn = functools.partial(jax_ops.paged_attention, scale=0.125)
     with pytest.warns(ShardingWarning, match=message):
-        got, text = _run_sharded(fn, _mesh(x=4), arrays, specs)
+        got, text = _run_sharded(fn, _mesh(x=devices), arrays, specs)
     _assert_same(got, _run_one_device(fn, arrays))
     assert "all-gather" in text
 

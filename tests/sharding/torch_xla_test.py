@@ -167,3 +167,18 @@ def test_splits_the_op_cannot_run_are_refused(mesh, name, kwargs, kv_heads, mess
         args.append(0.125)
     with pytest.raises(TorchXlaExtError, match=message):
         spmd.sharded(name, mesh, **kwargs)(*args)
+
+
+def test_the_plain_op_on_sharded_tensors_is_gathered(mesh):
+    """Without the helper, XLA's partitioner sees an opaque custom call and gathers its
+    operands onto every device (README: Several devices): correct, replicated, not split."""
+    inputs = sample_inputs.paged_attention([20, 33, 5, 17], 8, 4, 64, 16, torch.float32, seed=4)
+    want = torch.ops.xla_ext.paged_attention(*inputs.values(), 0.125)
+    args = _to(torch_xla.device(), inputs.values())
+    for tensor, spec in zip(args[:3], [(None, "x", None)] + [(None, None, "x", None)] * 2):
+        xs.mark_sharding(tensor, mesh, spec)
+    out = torch.ops.xla_ext.paged_attention(*args, 0.125)
+    torch_xla.sync()
+    assert torch.equal(out.cpu(), want)
+    assert torch_xla._XLAC._get_xla_sharding_spec(out) == "{replicated}"
+    assert "all-gather" in _step_module("xla_ext.paged_attention")
