@@ -122,10 +122,11 @@ class Step:
         args = (params, data["x"], data["key_cache"], data["value_cache"], data["block_tables"],
                 data["seq_lens"], data["slots"])
         self.args = list(jax.device_put(args, in_shardings))
-        self.hlo = self.fn.lower(*self.args).compile().as_text()
+        self.compiled = self.fn.lower(*self.args).compile()
+        self.hlo = self.compiled.as_text()
 
     def __call__(self):
-        y, attention, key_cache, value_cache = self.fn(*self.args)
+        y, attention, key_cache, value_cache = self.compiled(*self.args)
         self.args[2], self.args[3] = key_cache, value_cache  # the next step writes into these
         return y, attention, key_cache, value_cache
 
