@@ -51,18 +51,21 @@ def _run_prefill(engine):
     return time.perf_counter() - start
 
 
+def _timed_steps(engine, args):
+    """args.warmup steps, then args.steps timed ones: (their outputs, seconds per step)."""
+    for _ in range(args.warmup):
+        engine.step()
+    start = time.perf_counter()
+    outs = [engine.step() for _ in range(args.steps)]
+    return outs, (time.perf_counter() - start) / args.steps
+
+
 def ours_decode(engine, batch, args, profile_steps):
     """A decode row; then, when profile_steps, a profile of that many more decode steps."""
     for prompt in _prompts(batch, args.context, engine.shape.vocab_size, seed=batch):
         engine.add_request(prompt, max_new_tokens=1 + args.warmup + args.steps + profile_steps)
     prefill_s = _run_prefill(engine)
-    for _ in range(args.warmup):
-        engine.step()
-    outs = []
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        outs.append(engine.step())
-    seconds = (time.perf_counter() - start) / args.steps
+    outs, seconds = _timed_steps(engine, args)
     assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs)
     profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
     assert not engine.has_unfinished()  # the last step finished every sequence
@@ -81,13 +84,7 @@ def ours_mixed(engine, args, profile_steps):
     engine.scheduler.max_num_batched_tokens = MIXED_BUDGET
     for prompt in _prompts(MIXED_PREFILLS, args.context, engine.shape.vocab_size, seed=102):
         engine.add_request(prompt, max_new_tokens=1)
-    for _ in range(args.warmup):
-        engine.step()
-    outs = []
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        outs.append(engine.step())
-    seconds = (time.perf_counter() - start) / args.steps
+    outs, seconds = _timed_steps(engine, args)
     assert all(o.num_prefill_tokens > 0 and o.num_tokens - o.num_prefill_tokens >= MIXED_DECODES
                for o in outs), [(o.num_tokens, o.num_prefill_tokens) for o in outs]
     profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
