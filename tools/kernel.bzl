@@ -8,7 +8,10 @@ def xla_ext_kernel(op):
     native.cc_library(
         name = op + "_h",
         hdrs = [op + ".h"],
-        deps = ["//kernels/common:errors"],
+        deps = [
+            "//kernels/common:data_checks",
+            "//kernels/common:errors",
+        ],
     )
     native.cc_library(
         name = "host",

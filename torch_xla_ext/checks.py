@@ -14,6 +14,7 @@ from torch_xla_ext.errors import TorchXlaExtError
 HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = 2 ** 31 - 1
 
 
 def _fail(op, arg, expected, actual):
@@ -239,14 +240,17 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         _check_dtype(op, arg, x, ("int32",))
         if _shape(x) != [length]:
             _fail(op, arg, f"shape [{length}]", f"shape {_shape(x)}")
+    # The floats reach the handler as float32 attributes (beyond float32's range: inf), the
+    # window as an int32.
     for arg, value in (("sm_scale", sm_scale), ("k_scale", k_scale), ("v_scale", v_scale),
                        ("mask_value", mask_value)):
-        if value is not None and not np.isfinite(float(value)):
-            _fail(op, arg, "a finite float", f"{value}")
-    if sliding_window is not None and not sliding_window >= 1:
-        _fail(op, "sliding_window", "a window >= 1, or None", f"{sliding_window}")
-    if soft_cap is not None and not 0.0 < float(soft_cap) < float("inf"):
-        _fail(op, "soft_cap", "a finite cap > 0, or None", f"{soft_cap}")
+        if value is not None and not abs(float(value)) <= FLOAT32_MAX:
+            _fail(op, arg, "a finite float (within float32's range)", f"{value}")
+    if sliding_window is not None and not 1 <= sliding_window <= INT32_MAX:
+        _fail(op, "sliding_window", f"a window in [1, {INT32_MAX}], or None", f"{sliding_window}")
+    if soft_cap is not None and not 0.0 < float(soft_cap) <= FLOAT32_MAX:
+        _fail(op, "soft_cap", "a finite cap > 0 (within float32's range), or None",
+              f"{soft_cap}")
 
 
 def ragged_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size, num_pages):

@@ -1,4 +1,4 @@
-"""python -m torch_xla_ext {demo,doctor}."""
+"""python -m torch_xla_ext {demo,doctor,generate}."""
 
 import importlib.metadata
 import importlib.util
@@ -10,9 +10,27 @@ import sys
 from absl import app, flags, logging
 
 flags.DEFINE_bool("json", False, "doctor: print the report as JSON")
+flags.DEFINE_string("checkpoint", None, "generate: a local transformers Llama checkpoint "
+                    "directory (default: a tiny random Llama; nothing is downloaded)")
+flags.DEFINE_integer("seed", 0, "generate: seed of the random model and the random prompts")
+flags.DEFINE_list("prompt_lens", ["5", "17", "40", "9"],
+                  "generate: lengths of random token prompts (unless --prompt is given)")
+flags.DEFINE_multi_string("prompt", [], "generate: a text prompt (needs --checkpoint with a "
+                          "tokenizer); repeat for several")
+flags.DEFINE_integer("max_new_tokens", 16, "generate: tokens to generate per prompt")
+flags.DEFINE_integer("arrive_every", 2, "generate: request i arrives at step i * this")
+flags.DEFINE_enum("backend", "torch_xla", ["torch_xla", "torchax"], "generate: where steps run")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                  "generate: weights and caches (default: the model's)")
+flags.DEFINE_integer("max_num_seqs", 4, "generate: sequences per step at most")
+flags.DEFINE_integer("max_num_batched_tokens", 32, "generate: tokens per step at most "
+                     "(longer prompts are prefilled in chunks)")
+flags.DEFINE_integer("page_size", 16, "generate: tokens per KV-cache page")
+flags.DEFINE_bool("check", False, "generate: compare each request's tokens with transformers' "
+                  "own greedy generate (exit status 1 where they differ)")
 FLAGS = flags.FLAGS
 
-USAGE = "usage: python -m torch_xla_ext {demo,doctor [--json]}"
+USAGE = "usage: python -m torch_xla_ext {demo,doctor [--json],generate [--help for its flags]}"
 
 
 def _custom_call_lines(hlo):
@@ -185,8 +203,99 @@ def doctor():
     return 0
 
 
+def _generate_inputs():
+    """(model, tokenizer or None, prompts as token ids, a line describing the model)."""
+    import torch
+
+    from torch_xla_ext.serving import hf
+
+    dtype = getattr(torch, FLAGS.dtype) if FLAGS.dtype else None
+    if FLAGS.checkpoint:
+        model, tokenizer = hf.load_checkpoint(FLAGS.checkpoint, dtype)
+        origin = f"checkpoint {FLAGS.checkpoint}"
+    else:
+        model, tokenizer = hf.random_model(hf.TINY, FLAGS.seed, dtype or torch.float32), None
+        origin = f"random Llama (seed {FLAGS.seed})"
+    c = model.config
+    if FLAGS.prompt:
+        if tokenizer is None:
+            raise TorchXlaExtError("generate: --prompt needs a tokenizer: give --checkpoint a "
+                                   "directory with tokenizer files, or use --prompt_lens")
+        prompts = [tokenizer(text)["input_ids"] for text in FLAGS.prompt]
+    else:
+        g = torch.Generator().manual_seed(FLAGS.seed)
+        prompts = [torch.randint(0, c.vocab_size, (int(n),), generator=g).tolist()
+                   for n in FLAGS.prompt_lens]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    about = (f"{origin}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+             f"{c.num_attention_heads} heads on {c.num_key_value_heads} KV heads (head_dim "
+             f"{head_dim}), vocab {c.vocab_size}, {str(model.dtype).replace('torch.', '')}")
+    return model, tokenizer, prompts, about
+
+
+def generate():
+    """Runs prompts through the serving loop, printing tokens as they come and each step."""
+    import time
+
+    from torch_xla_ext.serving import Engine, hf
+
+    model, tokenizer, prompts, about = _generate_inputs()
+    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else None
+
+    def show(tokens):
+        return repr(tokenizer.decode(tokens)) if tokenizer else " ".join(map(str, tokens))
+
+    max_model_len = max(map(len, prompts)) + FLAGS.max_new_tokens
+    engine = Engine(model, backend=FLAGS.backend, page_size=FLAGS.page_size,
+                    max_num_seqs=FLAGS.max_num_seqs,
+                    max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                    max_model_len=max_model_len)
+    print(f"model: {about}")
+    print(f"engine: {engine.backend.name} on {engine.backend.device}; up to {FLAGS.max_num_seqs} "
+          f"sequences and {FLAGS.max_num_batched_tokens} tokens per step, token buckets "
+          f"{engine.buckets}, {engine.num_pages} KV pages of {FLAGS.page_size}")
+    arrivals = [i * FLAGS.arrive_every for i in range(len(prompts))]
+    for i, (prompt, step) in enumerate(zip(prompts, arrivals)):
+        print(f"request {i}: {len(prompt)} prompt tokens, arrives at step {step}")
+    total = len(prompts) * FLAGS.max_new_tokens
+    generated = []
+    start = time.perf_counter()
+
+    def on_step(out):
+        generated.extend(out.new_tokens.values())
+        new = " ".join(f"r{i}={show([t])}" for i, t in out.new_tokens.items())
+        print(f"step {out.step:4d} | seqs {out.num_seqs:2d} | tokens {out.num_tokens:4d} "
+              f"({out.num_prefill_tokens} prefill, {out.num_tokens - out.num_prefill_tokens} "
+              f"decode) | bucket {out.bucket:4d}{' (compiled)' if out.first_use_of_bucket else ''}"
+              f" | {out.seconds * 1e3:8.1f} ms | generated {len(generated)}/{total} | {new}",
+              flush=True)
+        for i, tokens in out.finished.items():
+            print(f"request {i} done: {show(tokens)}", flush=True)
+
+    outputs = engine.generate(prompts, FLAGS.max_new_tokens, arrivals, eos_token_id=eos,
+                              on_step=on_step)
+    seconds = time.perf_counter() - start
+    print(f"summary: {len(prompts)} requests, {len(generated)} tokens generated in "
+          f"{engine.num_steps} steps, {seconds:.2f} s ({len(generated) / seconds:.1f} tokens/s); "
+          f"{len(engine.buckets_used)} step graph(s) compiled (buckets "
+          f"{sorted(engine.buckets_used)})")
+    if not FLAGS.check:
+        return 0
+    differ = 0
+    for i, (prompt, got) in enumerate(zip(prompts, outputs)):
+        want, _ = hf.reference_generate(model, prompt, FLAGS.max_new_tokens, eos)
+        if got == want:
+            print(f"request {i}: equal to transformers' generate ({len(got)} tokens)")
+            continue
+        differ += 1
+        at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        print(f"request {i}: DIFFERS from transformers' generate at new token {at}: ours "
+              f"{show(got[at:at + 1])}, transformers {show(want[at:at + 1])}")
+    return 1 if differ else 0
+
+
 def main(argv):
-    commands = {"demo": demo, "doctor": doctor}
+    commands = {"demo": demo, "doctor": doctor, "generate": generate}
     if len(argv) != 2 or argv[1] not in commands:
         print(USAGE, file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ and JAX share ("float32", "bfloat16", "float8_e4m3fn", ...), with its XLA FFI Da
 number (xla/ffi/api/c_api.h) and its MLIR element type."""
 
 import collections
+import functools
 
 DType = collections.namedtuple("DType", "ffi_id mlir")
 
@@ -28,6 +29,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 CACHE_DTYPES = FLOAT_DTYPES + ("float8_e4m3fn",)
 
 
+@functools.lru_cache(maxsize=None)  # dtypes are few and hashable; called per argument per op
 def name(dtype):
     """The table's name of a torch, NumPy or JAX dtype (or of an array's .dtype)."""
     return str(dtype).replace("torch.", "")

@@ -7,7 +7,9 @@ allocator, so they order and share memory with the surrounding torch code.
 import ctypes
 import functools
 import os
+import threading
 
+import numpy as np
 import torch
 
 from torch_xla_ext import _kernels, binders, dtypes
@@ -17,11 +19,6 @@ from torch_xla_ext.errors import TorchXlaExtError
 _ATTR_CTYPES = {"float32": ctypes.c_float, "float64": ctypes.c_double, "int32": ctypes.c_int32,
                 "int64": ctypes.c_int64, "bool": ctypes.c_bool}
 _PLATFORMS = {"cpu": "Host", "cuda": "CUDA"}
-
-
-class _Buffer(ctypes.Structure):
-    _fields_ = [("dtype", ctypes.c_int32), ("data", ctypes.c_void_p), ("rank", ctypes.c_int64),
-                ("dims", ctypes.POINTER(ctypes.c_int64))]
 
 
 class _Attr(ctypes.Structure):
@@ -38,28 +35,52 @@ def _runtime():
     dll = ctypes.CDLL(os.path.join(_kernels.LIB_DIR, "libxla_ext_eager.so"))
     dll.xla_ext_eager_call.restype = ctypes.c_int
     dll.xla_ext_eager_call.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-        ctypes.c_int32, ctypes.POINTER(_Buffer), ctypes.c_int32, ctypes.POINTER(_Buffer),
-        ctypes.c_int32, ctypes.POINTER(_Attr), _ALLOC, _FREE, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.POINTER(_Attr), _ALLOC, _FREE, ctypes.c_void_p,
         ctypes.c_char_p, ctypes.c_size_t]
     return dll
 
 
+# What a call costs on the host is paid at every layer of every step, so the per-call work is
+# table lookups: handlers, dtype ids, attribute types and the allocator callbacks are found
+# once and kept.
+_HANDLERS = {}
+
+
 def _handler(target, platform):
+    handler = _HANDLERS.get((target, platform))
+    if handler is not None:
+        return handler
     for library in binders.libraries():
         for kernel in library.kernels:
             if kernel.target == target and kernel.platform == platform:
+                _HANDLERS[(target, platform)] = kernel.handler
                 return kernel.handler
     raise TorchXlaExtError(f"no {platform} handler is registered for target {target!r}")
 
 
-def _buffers(tensors, keep):
-    array = (_Buffer * len(tensors))()
-    for i, t in enumerate(tensors):
-        dims = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
-        keep.append(dims)
-        array[i] = _Buffer(dtypes.lookup(t.dtype).ffi_id, t.data_ptr(), t.dim(), dims)
-    return array
+@functools.lru_cache(maxsize=None)
+def _ffi_id(dtype):
+    """The FFI DataType number of a torch dtype, or None if the table has none."""
+    entry = dtypes.lookup(dtype)
+    return None if entry is None else entry.ffi_id
+
+
+@functools.lru_cache(maxsize=None)
+def _scalar_type(numpy_type):
+    """(ctypes type, FFI DataType number) of a NumPy scalar type."""
+    name = dtypes.name(np.dtype(numpy_type))
+    return _ATTR_CTYPES[name], dtypes.DTYPES[name].ffi_id
+
+
+def _buffers(tensors, ids):
+    """The tensors as csrc/eager_runtime.cc takes them: one int64 array of (dtype, address,
+    rank, dims...) per tensor."""
+    packed = []
+    for t, ffi_id in zip(tensors, ids):
+        shape = t.shape
+        packed += (ffi_id, t.data_ptr(), len(shape), *shape)
+    return (ctypes.c_int64 * len(packed))(*packed)
 
 
 def _attrs(attrs, keep):
@@ -72,18 +93,22 @@ def _attrs(attrs, keep):
             array[i] = _Attr(name.encode(), -1, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p),
                              len(data))
         else:
-            dtype = dtypes.name(value.dtype)
-            scalar = _ATTR_CTYPES[dtype](value.item())
+            ctype, ffi_id = _scalar_type(type(value))
+            scalar = ctype(value.item())
             keep.append(scalar)
-            array[i] = _Attr(name.encode(), dtypes.DTYPES[dtype].ffi_id, ctypes.addressof(scalar), 0)
+            array[i] = _Attr(name.encode(), ffi_id, ctypes.addressof(scalar), 0)
     return array
 
 
+@functools.lru_cache(maxsize=None)
 def _cuda_allocator(device):
-    stream = torch.cuda.current_stream(device).cuda_stream
+    """Scratch from torch's caching allocator, on the stream current when the handler asks."""
 
     def alloc(_, size, alignment):  # the caching allocator's blocks are 512-byte aligned
-        return torch.cuda.caching_allocator_alloc(size, device, stream) if size else None
+        if not size:
+            return None
+        return torch.cuda.caching_allocator_alloc(
+            size, device, torch.cuda.current_stream(device).cuda_stream)
 
     def free(_, data, size):
         if data:
@@ -92,36 +117,50 @@ def _cuda_allocator(device):
     return _ALLOC(alloc), _FREE(free)
 
 
+_NO_ALLOCATOR = (_ALLOC(), _FREE())
+_errors = threading.local()
+
+
+def _error_buffer():
+    buffer = getattr(_errors, "buffer", None)
+    if buffer is None:
+        buffer = _errors.buffer = ctypes.create_string_buffer(4096)
+    return buffer
+
+
 def run(target, inputs, outputs, attrs=None):
     """Runs `target`'s handler for the tensors' device on `inputs`, writing `outputs` in place.
 
     attrs: {name: a NumPy scalar (float32, float64, int32, int64, bool) or a str}.
     Every tensor must be contiguous and on the same device.
     """
-    device = (inputs + outputs)[0].device
+    device = (inputs[0] if inputs else outputs[0]).device
+    ids = []
     for what, group in (("inputs", inputs), ("outputs", outputs)):
         for i, t in enumerate(group):
             if t.device != device:
                 raise TorchXlaExtError(f"{what}[{i}]: expected a tensor on {device}, got {t.device}")
             if not t.is_contiguous():
                 raise TorchXlaExtError(f"{what}[{i}]: expected a contiguous tensor")
-            if dtypes.lookup(t.dtype) is None:
+            ffi_id = _ffi_id(t.dtype)
+            if ffi_id is None:
                 raise TorchXlaExtError(f"{what}[{i}]: dtype {t.dtype} is not supported")
+            ids.append(ffi_id)
     platform = _PLATFORMS.get(device.type)
     if platform is None:
         raise TorchXlaExtError(f"tensors on {device} cannot run eagerly; expected cpu or cuda")
     keep = []
-    args, rets = _buffers(inputs, keep), _buffers(outputs, keep)
+    buffers = _buffers(list(inputs) + list(outputs), ids)
     attr_array = _attrs(attrs or {}, keep)
     stream, ordinal = None, 0
-    alloc, free = _ALLOC(), _FREE()
+    alloc, free = _NO_ALLOCATOR
     if platform == "CUDA":
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(ordinal).cuda_stream
         alloc, free = _cuda_allocator(ordinal)
-    err = ctypes.create_string_buffer(4096)
+    err = _error_buffer()
     status = _runtime().xla_ext_eager_call(
-        _handler(target, platform), stream, ordinal, len(inputs), args, len(outputs), rets,
+        _handler(target, platform), stream, ordinal, len(inputs), len(outputs), buffers,
         len(attr_array), attr_array, alloc, free, None, err, len(err))
     if status != 0:
         raise TorchXlaExtError(err.value.decode())

@@ -7,7 +7,13 @@ CUDA PJRT plugin is installed). Arguments are checked here, with errors naming t
 data such as block ids is checked here too where its values are known (outside jit), and by
 the Host handlers. An op that writes into an argument (a KV cache) returns the new value,
 aliased to that argument: donate it to jax.jit to write in place.
+
+Under jax.jit with sharded arguments each op splits itself over the devices by its layout
+(op_catalog; heads, and batch where natural: custom_partitioning), so each device runs the
+kernel on its own heads with no collective; `sharded` gives the same under jax.shard_map.
 """
+
+import warnings
 
 import numpy as np
 
@@ -15,8 +21,12 @@ from torch_xla_ext.errors import JAX_INSTALL, TorchXlaExtError, import_dependenc
 
 jax = import_dependency("jax", "torch_xla_ext.jax_ops", JAX_INSTALL)
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental.custom_partitioning import (  # noqa: E402
+    ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning)
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from torch_xla_ext import _kernels, binders  # noqa: E402
+from torch_xla_ext import _kernels, binders, partitioning  # noqa: E402
 from torch_xla_ext.binders.jax_runtime import JaxRuntime  # noqa: E402
 from torch_xla_ext.op_catalog import OPS  # noqa: E402
 
@@ -46,6 +56,104 @@ def _check(op, args):
         raise
 
 
+def _ffi(op, attributes):
+    """The op's custom call on whatever arrays it is given (global or one device's pieces)."""
+
+    def call(*operands):
+        named = dict(zip(op.operands, operands))
+        results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in op.results(named)]
+        ffi = jax.ffi.ffi_call(op.target, results[0] if len(results) == 1 else tuple(results),
+                               input_output_aliases={i: out for out, i in op.aliases().items()},
+                               vmap_method="sequential")
+        return ffi(*operands, **dict(attributes))
+
+    return call
+
+
+def _layout_dims(op, operands, absent):
+    shapes = {name: x.shape for name, x in zip(op.operands, operands)}
+    for index, (shape, _) in enumerate(op.results(dict(zip(op.operands, operands)))):
+        shapes[partitioning.result_name(index)] = shape
+    return op.layout.dims(shapes, absent), shapes
+
+
+def _sharding_rule(op, operands, absent):
+    """The layout as a Shardy rule (how jit's propagation carries shardings through the call)."""
+    dims, shapes = _layout_dims(op, operands, absent)
+    whole = {d[0] for ds in dims.values() for d in ds if len(d) == 1}
+    sizes = op.layout.factor_sizes(dims, shapes)
+
+    def mapping(tensor):
+        return ArrayMapping(*(d[0] if len(d) == 1 else CompoundFactor(*d) for d in dims[tensor]))
+
+    return SdyShardingRule(
+        tuple(mapping(name) for name in op.operands),
+        tuple(mapping(partitioning.result_name(i)) for i in range(len(op.layout.results))),
+        **{name: size for name, size in sizes.items()
+           if name not in whole and any(name in d for ds in dims.values() for d in ds)})
+
+
+def _shardings(op, arg_shapes, absent, mesh):
+    """(mesh, operand shardings, result shardings) the op runs with, given the shardings its
+    operands arrive with. Dimensions it cannot split are gathered, with a ShardingWarning.
+
+    Runs inside XLA's partitioner, where a Python exception aborts the process: every case
+    returns shardings."""
+    dims, shapes = _layout_dims(op, arg_shapes, absent)
+    shardings = [arg.sharding for arg in arg_shapes]
+    if mesh.empty:  # no mesh in context and no NamedSharding to take one from
+        devices = set().union(*(s.device_set for s in shardings if s is not None))
+        mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("devices",))
+        warnings.warn(f"{op.target}: its operands' shardings name no mesh, so it runs whole on "
+                      "every device (XLA gathers its operands); give jit NamedShardings to split "
+                      "it", partitioning.ShardingWarning)
+        shardings = [None] * len(shardings)
+    incoming = {name: partitioning.normalize_spec(
+                    s.spec if isinstance(s, NamedSharding) else (), len(arg.shape))
+                for name, s, arg in zip(op.operands, shardings, arg_shapes)}
+    _, specs, notes = op.layout.choose(dims, shapes, incoming, dict(mesh.shape))
+    for note in notes:
+        warnings.warn(f"{op.target}: {note}", partitioning.ShardingWarning)
+    operand_shardings = tuple(NamedSharding(mesh, P(*specs[name])) for name in op.operands)
+    result_shardings = tuple(NamedSharding(mesh, P(*specs[partitioning.result_name(i)]))
+                             for i in range(len(op.layout.results)))
+    return mesh, operand_shardings, result_shardings
+
+
+def _partitioned(op, attributes, absent):
+    """The op as a jitted function of its operands that XLA's SPMD partitioner splits by the
+    op's layout (custom_partitioning), and that vmap runs call by call (custom_vmap: the
+    partitioning primitive has no batching rule of its own)."""
+    ffi = _ffi(op, attributes)
+    single = len(op.layout.results) == 1
+
+    def partition(mesh, arg_shapes, result_shape):
+        mesh, operand_shardings, result_shardings = _shardings(op, arg_shapes, absent, mesh)
+        return mesh, ffi, result_shardings[0] if single else result_shardings, operand_shardings
+
+    def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+        _, _, result_shardings = _shardings(op, arg_shapes, absent, mesh)
+        return result_shardings[0] if single else result_shardings
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*operands):
+        # Made here, where the operands' shapes are known: the Shardy rule needs the sizes.
+        call = custom_partitioning(ffi)
+        call.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                           sharding_rule=_sharding_rule(op, operands, absent))
+        return call(*operands)
+
+    @batchable.def_vmap
+    def run_each(axis_size, in_batched, *operands):
+        out = jax.vmap(ffi, in_axes=[0 if b else None for b in in_batched])(*operands)
+        return out, True if single else (True,) * len(op.layout.results)
+
+    return jax.jit(batchable)
+
+
+_PARTITIONED = {}
+
+
 def _function(op):
     tensors = set(op.tensor_args())
 
@@ -57,12 +165,13 @@ def _function(op):
             values = {name: _concrete(a[name]) for name in op.value_args}
             if all(v is not None for v in values.values()):
                 op.check_values(a, values)
-        results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in op.results(a)]
-        ffi = jax.ffi.ffi_call(op.target, results[0] if len(results) == 1 else tuple(results),
-                               input_output_aliases={i: out for out, i in op.aliases().items()},
-                               vmap_method="sequential")
-        out = ffi(*op.operand_values(a, _empty), **op.attribute_values(a))
-        return tuple(out) if len(results) > 1 else out
+        attributes = tuple(sorted(op.attribute_values(a).items()))
+        absent = tuple(name for name in op.operands if a[name] is None)
+        key = (op.name, attributes, absent)
+        if key not in _PARTITIONED:
+            _PARTITIONED[key] = _partitioned(op, attributes, absent)
+        out = _PARTITIONED[key](*op.operand_values(a, _empty))
+        return tuple(out) if isinstance(out, (tuple, list)) else out
 
     call.__name__ = call.__qualname__ = op.name
     call.__doc__ = op.doc
@@ -71,6 +180,41 @@ def _function(op):
 
 _FUNCTIONS = {op.name: _function(op) for op in OPS}
 globals().update(_FUNCTIONS)
+_OPS = {op.name: op for op in OPS}
+
+
+def sharded(name, mesh, heads=None, batch=None):
+    """The op `name` under jax.shard_map over `mesh`, with the op's signature: its tensors
+    split by its layout (op_catalog), heads over mesh axis (or axes) `heads`, batch (sequences)
+    over `batch`, everything else replicated; each device runs the kernel on its pieces, with
+    no collective. Raises a TorchXlaExtError when the op cannot split that way (a name it has
+    no heads or batch for, heads that do not divide over the axis). Plain jax.jit with sharded
+    arguments needs no helper: the ops partition themselves the same way."""
+    if name not in _OPS:
+        raise TorchXlaExtError(f"name: expected one of {sorted(_OPS)}, got {name!r}")
+    op = _OPS[name]
+    request = op.layout.roles(op.target, heads, batch)
+    tensors = op.tensor_args()
+
+    def call(*args, **kwargs):
+        a = op.bind(args, kwargs)
+        present = [n for n in tensors if a[n] is not None]
+        arrays = [jnp.asarray(a[n]) for n in present]
+        absent = tuple(n for n in op.operands if a[n] is None)
+        dims, shapes = _layout_dims(op, op.operand_values({**a, **dict(zip(present, arrays))},
+                                                          _empty), absent)
+        specs = op.layout.request(dims, shapes, request, dict(mesh.shape), op.target)
+
+        def local(*pieces):
+            return _FUNCTIONS[name](**{**a, **dict(zip(present, pieces))})
+
+        results = [P(*specs[partitioning.result_name(i)]) for i in range(len(op.layout.results))]
+        return jax.shard_map(local, mesh=mesh, in_specs=tuple(P(*specs[n]) for n in present),
+                             out_specs=results[0] if len(results) == 1 else tuple(results))(
+                                 *arrays)
+
+    call.__name__ = call.__qualname__ = f"sharded_{name}"
+    return call
 
 
 def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
@@ -102,4 +246,4 @@ def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_ind
     return out, kv_cache
 
 
-__all__ = [*_FUNCTIONS, "ragged_paged_attention_v3"]
+__all__ = [*_FUNCTIONS, "ragged_paged_attention_v3", "sharded"]

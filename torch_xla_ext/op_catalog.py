@@ -9,6 +9,7 @@ import numpy as np
 
 from torch_xla_ext import checks
 from torch_xla_ext.opdef import OpDef
+from torch_xla_ext.partitioning import Layout
 
 
 def _same_as(arg):
@@ -27,6 +28,9 @@ SIMPLE_ADD = OpDef(
     operands=("a", "b"),
     results=_same_as("a"),
     check=checks.simple_add,
+    # Elementwise: any split works ("..." names dimensions dim0, dim1, ...); the helpers'
+    # batch= splits the first.
+    layout=Layout(operands={"a": "...", "b": "..."}, results=("...",), batch="dim0"),
 )
 
 PAGED_ATTENTION = OpDef(
@@ -45,6 +49,13 @@ PAGED_ATTENTION = OpDef(
     attributes={"scale": "float32", "softcap": "float32"},
     results=_same_as("query"),
     check=checks.paged_attention,
+    layout=Layout(
+        operands={"query": "seqs (kv_heads group) head_size",
+                  "key_cache": "blocks block_size kv_heads head_size",
+                  "value_cache": "blocks block_size kv_heads head_size",
+                  "block_tables": "seqs blocks_per_seq", "seq_lens": "seqs",
+                  "alibi_slopes": "(kv_heads group)"},
+        results=("seqs (kv_heads group) head_size",), heads="kv_heads", batch="seqs"),
     value_args=("seq_lens", "block_tables"),
     check_values=lambda a, v: checks.paged_attention_values(
         v["seq_lens"], v["block_tables"], a["key_cache"].shape[1], a["key_cache"].shape[0]),
@@ -62,6 +73,12 @@ RESHAPE_AND_CACHE = OpDef(
     results=_caches("key_cache", "value_cache"),
     writes={0: "key_cache", 1: "value_cache"},
     check=checks.reshape_and_cache,
+    # Tokens do not split: every device holding a cache must write every token into it.
+    layout=Layout(
+        operands={"key": "tokens kv_heads head_size", "value": "tokens kv_heads head_size",
+                  "key_cache": "blocks block_size kv_heads head_size",
+                  "value_cache": "blocks block_size kv_heads head_size", "slot_mapping": "tokens"},
+        results=("blocks block_size kv_heads head_size",) * 2, heads="kv_heads"),
     value_args=("slot_mapping",),
     check_values=lambda a, v: checks.slot_values(
         "xla_ext.reshape_and_cache", v["slot_mapping"],
@@ -80,6 +97,11 @@ KV_CACHE_UPDATE = OpDef(
     results=_caches("kv_cache"),
     writes={0: "kv_cache"},
     check=checks.kv_cache_update,
+    # Combined head 2h + j holds K (j = 0) or V (j = 1) of kv head h: "(kv_heads kv)".
+    layout=Layout(
+        operands={"key": "tokens kv_heads head_size", "value": "tokens kv_heads head_size",
+                  "kv_cache": "pages page_size (kv_heads kv) head_size", "slot_mapping": "tokens"},
+        results=("pages page_size (kv_heads kv) head_size",), heads="kv_heads", sizes={"kv": 2}),
     value_args=("slot_mapping",),
     check_values=lambda a, v: checks.slot_values(
         "xla_ext.kv_cache_update", v["slot_mapping"],
@@ -102,6 +124,10 @@ KV_CACHE_UPDATE_SLICES = OpDef(
     results=_caches("kv_cache"),
     writes={0: "kv_cache"},
     check=checks.kv_cache_update_slices,
+    layout=Layout(
+        operands={"kv": "tokens combined_heads head_size", "slot_mapping": "three slices",
+                  "kv_cache": "rows combined_heads head_size", "num_kv_update_slices": "one"},
+        results=("rows combined_heads head_size",), heads="combined_heads"),
     value_args=("slot_mapping", "num_kv_update_slices"),
     check_values=lambda a, v: checks.slice_values(
         v["slot_mapping"], v["num_kv_update_slices"], a["kv"].shape[0], a["kv_cache"].shape[0]),
@@ -133,6 +159,13 @@ RAGGED_PAGED_ATTENTION = OpDef(
                     "k_scale": 1.0, "v_scale": 1.0},
     results=_same_as("q"),
     check=checks.ragged_paged_attention,
+    # Tokens do not split: cu_q_lens numbers them across the whole batch.
+    layout=Layout(
+        operands={"q": "tokens (kv_heads group) head_dim",
+                  "kv_pages": "pages page_size (kv_heads kv) head_dim", "kv_lens": "seqs",
+                  "page_indices": "seqs pages_per_seq", "cu_q_lens": "seqs_plus_one",
+                  "num_seqs": "one"},
+        results=("tokens (kv_heads group) head_dim",), heads="kv_heads", sizes={"kv": 2}),
     value_args=("kv_lens", "page_indices", "cu_q_lens", "num_seqs"),
     check_values=lambda a, v: checks.ragged_values(
         v["kv_lens"], v["page_indices"], v["cu_q_lens"], v["num_seqs"], a["q"].shape[0],

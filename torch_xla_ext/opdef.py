@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from torch_xla_ext.errors import TorchXlaExtError
+from torch_xla_ext.partitioning import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,9 @@ class OpDef:
     check_values: Optional[Callable] = None  # check_values(args, values)
     # Also registered under this (namespace, name) when that op does not exist yet.
     also_as: Optional[tuple] = None
+    # How its tensors split over devices (partitioning.Layout: which dimensions are heads or
+    # batch); jax_ops' custom partitioning and the shard_map and torch_xla SPMD helpers read it.
+    layout: Optional[Layout] = None
 
     @functools.cached_property
     def arguments(self):
@@ -61,9 +65,17 @@ class OpDef:
         results = ", ".join(["Tensor"] * len(self.writes))
         return f"{arguments} -> {'Tensor' if len(self.writes) == 1 else f'({results})'}"
 
+    @functools.cached_property
+    def _argument_names(self):
+        return [name for name, *_ in self.arguments]
+
+    @functools.cached_property
+    def _attribute_types(self):
+        return {name: np.dtype(dtype).type for name, dtype in self.attributes.items()}
+
     def bind(self, args, kwargs):
         """The call's arguments as {name: value}, defaults applied."""
-        names = [name for name, *_ in self.arguments]
+        names = self._argument_names
         if len(args) > len(names):
             raise TorchXlaExtError(f"{self.target}: expected at most {len(names)} arguments "
                                    f"({', '.join(names)}), got {len(args)}")
@@ -91,9 +103,8 @@ class OpDef:
 
     def attribute_values(self, args):
         """{attribute: NumPy scalar of the attribute's dtype}."""
-        return {name: np.dtype(dtype).type(self.attribute_none[name] if args[name] is None
-                                           else args[name])
-                for name, dtype in self.attributes.items()}
+        return {name: type_(self.attribute_none[name] if args[name] is None else args[name])
+                for name, type_ in self._attribute_types.items()}
 
     def operand_values(self, args, empty):
         """The handler's operands; `empty(shape, dtype name, like)` makes an absent one."""

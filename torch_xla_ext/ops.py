@@ -51,7 +51,7 @@ def _run_eagerly(op, args, write_into_arguments):
     return outputs
 
 
-def _check_known_values(op, args):
+def check_known_values(op, args):
     """Checks the data arguments (block ids, lengths, slots) on the host when their values
     already sit in device buffers: a bad request then fails here, before anything is built or
     run. Arguments still to be computed are checked by the handlers when the step runs."""
@@ -66,7 +66,7 @@ def _check_known_values(op, args):
 
 
 def _on_xla(op, args):
-    _check_known_values(op, args)
+    check_known_values(op, args)
     return custom_call(op.operand_values(args, _empty), op.target,
                        [s for s, _ in op.results(args)], [d for _, d in op.results(args)],
                        attrs=op.attribute_values(args), aliases=op.aliases())

@@ -22,8 +22,10 @@
 // fails the call with InvalidArgument naming it and leaves the cache unchanged. CUDA cannot
 // report it without synchronising: a slot >= num_slots skips its token, a slice reaching out
 // of either buffer (or every slice, when num_kv_update_slices exceeds max_slices) is skipped;
-// nothing is ever written out of bounds. When XLA gives the result a buffer of its own (no
-// aliasing), the cache is copied into it first.
+// nothing is ever written out of bounds; with XLA_EXT_DEBUG_CHECKS set it runs the Host
+// handler's checks (SlotMappingChecks, SliceChecks) on the device first and returns its error,
+// the cache unchanged (kernels/common/debug_checks.cuh). When XLA gives the result a buffer of
+// its own (no aliasing), the cache is copied into it first.
 #ifndef XLA_EXT_KERNELS_KV_CACHE_UPDATE_KV_CACHE_UPDATE_H_
 #define XLA_EXT_KERNELS_KV_CACHE_UPDATE_KV_CACHE_UPDATE_H_
 
@@ -31,12 +33,20 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
 namespace xla_ext::kv_cache_update {
 
 inline constexpr char kTarget[] = "xla_ext.kv_cache_update";
 inline constexpr char kSlicesTarget[] = "xla_ext.kv_cache_update_slices";
+
+// Every slot below num_pages * page_size, or negative (data_checks.h).
+struct SlotNames {
+  static constexpr const char* kOp = kTarget;
+  static constexpr const char* kNumSlots = "num_pages * page_size";
+};
+using SlotMappingChecks = SlotChecks<int32_t, SlotNames>;
 
 struct SlotShapes {
   int64_t num_tokens;
@@ -126,6 +136,54 @@ inline ffi::Error CheckSlices(const ffi::AnyBuffer& kv, const ffi::AnyBuffer& sl
                        static_cast<int64_t>(n[1] * n[2] * ffi::ByteWidth(dtype))};
   return ffi::Error::Success();
 }
+
+// The slices in use (data_checks.h): entry 0 is the count num_kv_update_slices[0], within
+// [0, max_slices]; entry 1 + i is column i, when it is in use: within both buffers.
+struct SliceChecks {
+  static constexpr int32_t kCount = 1;  // values: count, max_slices
+  static constexpr int32_t kSlice = 2;  // values: column, cache_start, new_kv_start, length,
+                                        //         num_new_rows, num_cache_rows
+
+  const int32_t* slices;  // [3, max_slices]
+  const int32_t* num_slices;
+  int64_t max_slices;
+  int64_t num_new_rows;
+  int64_t num_cache_rows;
+
+  XLA_EXT_HOST_DEVICE int64_t num_entries() const { return 1 + max_slices; }
+
+  XLA_EXT_HOST_DEVICE Violation Check(int64_t entry) const {
+    const int64_t count = *num_slices;
+    const bool count_ok = count >= 0 && count <= max_slices;
+    if (entry == 0) return count_ok ? Violation{} : Violation{kCount, {count, max_slices}};
+    const int64_t i = entry - 1;
+    if (!count_ok || i >= count) return Violation{};
+    const int64_t cache_start = slices[i];
+    const int64_t new_start = slices[max_slices + i];
+    const int64_t length = slices[2 * max_slices + i];
+    if (length >= 0 && cache_start >= 0 && new_start >= 0 &&
+        cache_start + length <= num_cache_rows && new_start + length <= num_new_rows) {
+      return Violation{};
+    }
+    return Violation{kSlice, {i, cache_start, new_start, length, num_new_rows, num_cache_rows}};
+  }
+
+  static ffi::Error Describe(const Violation& v) {
+    if (v.check == kCount) {
+      return ArgumentError(kSlicesTarget, "num_kv_update_slices",
+                           "a count in [0, max_slices = " + std::to_string(v.values[1]) + "]",
+                           Entry("num_kv_update_slices", 0, v.values[0]));
+    }
+    const std::string at = "[" + std::to_string(v.values[0]) + "]";
+    return ArgumentError(
+        kSlicesTarget, "slot_mapping",
+        "slices within kv (" + std::to_string(v.values[4]) + " rows) and kv_cache (" +
+            std::to_string(v.values[5]) + " rows)",
+        "cache_start" + at + " = " + std::to_string(v.values[1]) + ", new_kv_start" + at +
+            " = " + std::to_string(v.values[2]) + ", length" + at + " = " +
+            std::to_string(v.values[3]));
+  }
+};
 
 // Both platforms bind the same arguments, attributes and results, after their contexts.
 template <typename Binding>

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/debug_checks.cuh"
 #include "kernels/kv_cache_update/kv_cache_update.h"
 #include "xla_ext/registry.h"
 
@@ -82,6 +83,12 @@ ffi::Error KvCacheUpdateCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBu
                              ffi::Result<ffi::AnyBuffer> kv_cache_out) {
   SlotShapes s;
   XLA_EXT_RETURN_IF_ERROR(CheckSlots(key, value, kv_cache, slot_mapping, *kv_cache_out, s));
+  if (cuda::DebugChecksEnabled()) {
+    XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
+        kTarget, stream,
+        SlotMappingChecks{static_cast<const int32_t*>(slot_mapping.untyped_data()),
+                          s.num_tokens, s.num_slots}));
+  }
   XLA_EXT_RETURN_IF_ERROR(cuda::CopyUnlessAliased(kTarget, kv_cache, *kv_cache_out, stream));
   if (s.num_tokens == 0 || s.row_bytes == 0 || s.num_kv_heads == 0) {
     return ffi::Error::Success();
@@ -113,6 +120,13 @@ ffi::Error KvCacheUpdateSlicesCuda(cudaStream_t stream, ffi::AnyBuffer kv, ffi::
   SliceShapes s;
   XLA_EXT_RETURN_IF_ERROR(CheckSlices(kv, slices, kv_cache, num_slices, page_size,
                                       num_slices_per_block, *kv_cache_out, s));
+  if (cuda::DebugChecksEnabled()) {
+    XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
+        kSlicesTarget, stream,
+        SliceChecks{static_cast<const int32_t*>(slices.untyped_data()),
+                    static_cast<const int32_t*>(num_slices.untyped_data()), s.max_slices,
+                    s.num_new_rows, s.num_cache_rows}));
+  }
   XLA_EXT_RETURN_IF_ERROR(
       cuda::CopyUnlessAliased(kSlicesTarget, kv_cache, *kv_cache_out, stream));
   if (s.max_slices == 0 || s.row_bytes == 0) return ffi::Error::Success();

@@ -25,14 +25,7 @@ ffi::Error KvCacheUpdateHost(ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::AnyB
   SlotShapes s;
   XLA_EXT_RETURN_IF_ERROR(CheckSlots(key, value, kv_cache, slot_mapping, *kv_cache_out, s));
   const auto* slots = static_cast<const int32_t*>(slot_mapping.untyped_data());
-  for (int64_t i = 0; i < s.num_tokens; ++i) {
-    if (slots[i] >= s.num_slots) {
-      return ArgumentError(kTarget, "slot_mapping",
-                           "slots < num_pages * page_size = " + std::to_string(s.num_slots) +
-                               " (negative to skip)",
-                           "slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]));
-    }
-  }
+  XLA_EXT_RETURN_IF_ERROR(FirstViolation(SlotMappingChecks{slots, s.num_tokens, s.num_slots}));
   char* cache = StartFromCache(kv_cache, *kv_cache_out);
   const auto* k = static_cast<const char*>(key.untyped_data());
   const auto* v = static_cast<const char*>(value.untyped_data());
@@ -57,31 +50,14 @@ ffi::Error KvCacheUpdateSlicesHost(ffi::AnyBuffer kv, ffi::AnyBuffer slices,
   SliceShapes s;
   XLA_EXT_RETURN_IF_ERROR(CheckSlices(kv, slices, kv_cache, num_slices, page_size,
                                       num_slices_per_block, *kv_cache_out, s));
-  const int64_t count = *static_cast<const int32_t*>(num_slices.untyped_data());
-  if (count < 0 || count > s.max_slices) {
-    return ArgumentError(kSlicesTarget, "num_kv_update_slices",
-                         "a count in [0, max_slices = " + std::to_string(s.max_slices) + "]",
-                         "num_kv_update_slices[0] = " + std::to_string(count));
-  }
   const auto* table = static_cast<const int32_t*>(slices.untyped_data());
+  const auto* count_buffer = static_cast<const int32_t*>(num_slices.untyped_data());
+  XLA_EXT_RETURN_IF_ERROR(FirstViolation(
+      SliceChecks{table, count_buffer, s.max_slices, s.num_new_rows, s.num_cache_rows}));
+  const int64_t count = *count_buffer;
   const int32_t* cache_start = table;
   const int32_t* new_start = table + s.max_slices;
   const int32_t* length = table + 2 * s.max_slices;
-  for (int64_t i = 0; i < count; ++i) {
-    const bool fits = length[i] >= 0 && cache_start[i] >= 0 && new_start[i] >= 0 &&
-                      cache_start[i] + int64_t{length[i]} <= s.num_cache_rows &&
-                      new_start[i] + int64_t{length[i]} <= s.num_new_rows;
-    if (!fits) {
-      const std::string at = "[" + std::to_string(i) + "]";
-      return ArgumentError(
-          kSlicesTarget, "slot_mapping",
-          "slices within kv (" + std::to_string(s.num_new_rows) + " rows) and kv_cache (" +
-              std::to_string(s.num_cache_rows) + " rows)",
-          "cache_start" + at + " = " + std::to_string(cache_start[i]) + ", new_kv_start" + at +
-              " = " + std::to_string(new_start[i]) + ", length" + at + " = " +
-              std::to_string(length[i]));
-    }
-  }
   char* cache = StartFromCache(kv_cache, *kv_cache_out);
   const auto* rows = static_cast<const char*>(kv.untyped_data());
   for (int64_t i = 0; i < count; ++i) {

@@ -16,12 +16,14 @@
 //   logit += alibi_slopes[h] * (t - (seq_len - 1));   out = softmax(logits) . V
 // accumulated in f32. A sequence of length 0 gives zeros.
 //
-// Data-dependent arguments (seq_lens, the block ids a sequence uses):
+// Data-dependent arguments (seq_lens, the block ids a sequence uses; SequenceChecks below):
 // - Host checks them and returns InvalidArgument naming the argument.
 // - CUDA cannot report them without synchronising, so it never reads out of bounds instead:
 //   a seq_len below 0 counts as 0 (zeros out), one beyond the block table as the table's
 //   capacity (max_blocks_per_seq * block_size); tokens in a block id outside [0, num_blocks)
 //   are skipped (they get no attention weight; a sequence with no valid token gives zeros).
+//   With XLA_EXT_DEBUG_CHECKS set it runs SequenceChecks on the device first and returns the
+//   Host handler's error (kernels/common/debug_checks.cuh).
 //   The Python front ends check these values when they are concrete.
 #ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_PAGED_ATTENTION_H_
 #define XLA_EXT_KERNELS_PAGED_ATTENTION_PAGED_ATTENTION_H_
@@ -30,6 +32,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
 namespace xla_ext::paged_attention {
@@ -123,6 +126,60 @@ inline ffi::Error Check(const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_c
   }
   return CheckSameShape(kTarget, "out", out, "query", query);
 }
+
+// seq_lens within the block table, and every block id a sequence uses within the cache
+// (data_checks.h). Entry seq * (max_blocks_per_seq + 1) is seq_lens[seq]; the next
+// max_blocks_per_seq entries are its blocks, checked where the sequence uses them.
+struct SequenceChecks {
+  static constexpr int32_t kSeqLen = 1;   // values: seq, seq_len, capacity
+  static constexpr int32_t kBlockId = 2;  // values: seq, block index, block id, num_blocks
+
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  int64_t num_seqs;
+  int64_t max_blocks_per_seq;
+  int64_t block_size;
+  int64_t num_blocks;
+
+  static SequenceChecks For(const Shapes& s, const ffi::AnyBuffer& block_tables,
+                            const ffi::AnyBuffer& seq_lens) {
+    return SequenceChecks{static_cast<const int32_t*>(block_tables.untyped_data()),
+                          static_cast<const int32_t*>(seq_lens.untyped_data()), s.num_seqs,
+                          s.max_blocks_per_seq, s.block_size, s.num_blocks};
+  }
+
+  XLA_EXT_HOST_DEVICE int64_t num_entries() const {
+    return num_seqs * (max_blocks_per_seq + 1);
+  }
+
+  XLA_EXT_HOST_DEVICE Violation Check(int64_t entry) const {
+    const int64_t seq = entry / (max_blocks_per_seq + 1);
+    const int64_t b = entry % (max_blocks_per_seq + 1) - 1;  // -1: the length itself
+    const int64_t seq_len = seq_lens[seq];
+    const int64_t capacity = max_blocks_per_seq * block_size;
+    if (seq_len < 0 || seq_len > capacity) {
+      return b < 0 ? Violation{kSeqLen, {seq, seq_len, capacity}} : Violation{};
+    }
+    if (b < 0 || b * block_size >= seq_len) return Violation{};  // a block the sequence uses
+    const int64_t block = block_tables[seq * max_blocks_per_seq + b];
+    if (block >= 0 && block < num_blocks) return Violation{};
+    return Violation{kBlockId, {seq, b, block, num_blocks}};
+  }
+
+  static ffi::Error Describe(const Violation& v) {
+    if (v.check == kSeqLen) {
+      return ArgumentError(
+          kTarget, "seq_lens",
+          "0 <= seq_len <= max_blocks_per_seq * block_size = " + std::to_string(v.values[2]),
+          Entry("seq_lens", v.values[0], v.values[1]) +
+              (v.values[1] < 0 ? "" : " (seq_len beyond the block table)"));
+    }
+    return ArgumentError(kTarget, "block_tables",
+                         "block ids in [0, num_blocks = " + std::to_string(v.values[3]) + ")",
+                         "block_tables[" + std::to_string(v.values[0]) + "][" +
+                             std::to_string(v.values[1]) + "] = " + std::to_string(v.values[2]));
+  }
+};
 
 // Both platforms bind the same arguments, result and attributes, after their contexts.
 template <typename Binding>

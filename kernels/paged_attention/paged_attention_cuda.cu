@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/debug_checks.cuh"
 #include "kernels/paged_attention/attend_simt.cuh"
 #include "kernels/paged_attention/attend_tensor_core.cuh"
 #include "kernels/paged_attention/paged_attention.h"
@@ -215,6 +216,10 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, *out, s));
+  if (cuda::DebugChecksEnabled()) {
+    XLA_EXT_RETURN_IF_ERROR(
+        cuda::DebugCheck(kTarget, stream, SequenceChecks::For(s, block_tables, seq_lens)));
+  }
   if (s.num_seqs == 0 || s.num_heads == 0) return ffi::Error::Success();
   // 16-byte row loads and copies: XLA's buffers are aligned; a misaligned view would fault.
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(query.untyped_data()) |

@@ -14,31 +14,6 @@
 namespace xla_ext::paged_attention {
 namespace {
 
-// seq_lens within the block table, and every block id a sequence uses within the cache.
-ffi::Error CheckSequences(const Shapes& s, const int32_t* block_tables, const int32_t* seq_lens) {
-  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
-    const int64_t seq_len = seq_lens[seq];
-    if (seq_len < 0 || seq_len > s.capacity()) {
-      return ArgumentError(
-          kTarget, "seq_lens",
-          "0 <= seq_len <= max_blocks_per_seq * block_size = " + std::to_string(s.capacity()),
-          "seq_lens[" + std::to_string(seq) + "] = " + std::to_string(seq_len) +
-              (seq_len < 0 ? "" : " (seq_len beyond the block table)"));
-    }
-    const int64_t used_blocks = (seq_len + s.block_size - 1) / s.block_size;
-    for (int64_t b = 0; b < used_blocks; ++b) {
-      const int64_t block = block_tables[seq * s.max_blocks_per_seq + b];
-      if (block < 0 || block >= s.num_blocks) {
-        return ArgumentError(kTarget, "block_tables",
-                             "block ids in [0, num_blocks = " + std::to_string(s.num_blocks) + ")",
-                             "block_tables[" + std::to_string(seq) + "][" + std::to_string(b) +
-                                 "] = " + std::to_string(block));
-      }
-    }
-  }
-  return ffi::Error::Success();
-}
-
 template <typename T>
 void Attend(const Shapes& s, const T* query, const T* key_cache, const T* value_cache,
             const int32_t* block_tables, const int32_t* seq_lens, const float* alibi_slopes,
@@ -91,9 +66,9 @@ ffi::Error PagedAttentionHost(ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, *out, s));
+  XLA_EXT_RETURN_IF_ERROR(FirstViolation(SequenceChecks::For(s, block_tables, seq_lens)));
   const auto* tables = static_cast<const int32_t*>(block_tables.untyped_data());
   const auto* lens = static_cast<const int32_t*>(seq_lens.untyped_data());
-  XLA_EXT_RETURN_IF_ERROR(CheckSequences(s, tables, lens));
   const float* slopes = s.has_alibi ? static_cast<const float*>(alibi_slopes.untyped_data())
                                     : nullptr;
   return host::DispatchFloat(kTarget, query.element_type(), [&](auto zero) {

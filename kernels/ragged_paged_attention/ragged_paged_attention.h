@@ -46,6 +46,8 @@
 //   q_len > kv_len (after the clamp) gives zeros for all its rows; positions in a page id
 //   outside [0, total_num_pages) are skipped (no weight; a row left with none gives zeros).
 //   Only a row's own q row, its sequence's entries and its pages' K/V rows are read.
+//   With XLA_EXT_DEBUG_CHECKS set it runs DataChecks on the device first and returns the Host
+//   handler's error (kernels/common/debug_checks.cuh).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_
 
@@ -54,6 +56,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
 namespace xla_ext::ragged_paged_attention {
@@ -202,6 +205,118 @@ inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
   }
   return CheckAttrs(attrs);
 }
+
+// The data listed above, for the first num_seqs[0] sequences (data_checks.h), in the order of
+// the list: entry 0 num_seqs; 1 cu_q_lens[0]; 2 + i cu_q_lens[i + 1] >= cu_q_lens[i];
+// 2 + max_num_seqs cu_q_lens[num_seqs]; then per sequence i, from 3 + max_num_seqs +
+// i * (pages_per_seq + 2): kv_len >= q_len, kv_len <= capacity, and its pages in order.
+struct DataChecks {
+  static constexpr int32_t kNumSeqs = 1;       // values: num_seqs, max_num_seqs
+  static constexpr int32_t kFirstRow = 2;      // values: cu_q_lens[0]
+  static constexpr int32_t kDecreasing = 3;    // values: i + 1, cu_q_lens[i + 1], cu_q_lens[i],
+                                               //         num_seqs
+  static constexpr int32_t kRowsBeyond = 4;    // values: num_seqs, cu_q_lens[num_seqs],
+                                               //         max_num_batched_tokens
+  static constexpr int32_t kKvBelowQ = 5;      // values: i, kv_len, q_len
+  static constexpr int32_t kKvBeyond = 6;      // values: i, kv_len, capacity
+  static constexpr int32_t kPageId = 7;        // values: i, page index, page id, num_pages
+
+  const int32_t* kv_lens;
+  const int32_t* page_indices;
+  const int32_t* cu_q_lens;
+  const int32_t* num_seqs;
+  int64_t max_num_seqs;
+  int64_t pages_per_seq;
+  int64_t page_size;
+  int64_t num_pages;
+  int64_t num_tokens;
+
+  static DataChecks For(const Shapes& s, const ffi::AnyBuffer& kv_lens,
+                        const ffi::AnyBuffer& page_indices, const ffi::AnyBuffer& cu_q_lens,
+                        const ffi::AnyBuffer& num_seqs) {
+    return DataChecks{static_cast<const int32_t*>(kv_lens.untyped_data()),
+                      static_cast<const int32_t*>(page_indices.untyped_data()),
+                      static_cast<const int32_t*>(cu_q_lens.untyped_data()),
+                      static_cast<const int32_t*>(num_seqs.untyped_data()),
+                      s.max_num_seqs, s.pages_per_seq, s.page_size, s.num_pages, s.num_tokens};
+  }
+
+  XLA_EXT_HOST_DEVICE int64_t num_entries() const {
+    return 3 + max_num_seqs * (pages_per_seq + 3);
+  }
+
+  XLA_EXT_HOST_DEVICE Violation Check(int64_t entry) const {
+    const int64_t n = *num_seqs;
+    if (n < 0 || n > max_num_seqs) {
+      return entry == 0 ? Violation{kNumSeqs, {n, max_num_seqs}} : Violation{};
+    }
+    if (entry == 0) return Violation{};
+    if (entry == 1) {
+      return cu_q_lens[0] >= 0 ? Violation{} : Violation{kFirstRow, {cu_q_lens[0]}};
+    }
+    if (entry < 2 + max_num_seqs) {
+      const int64_t i = entry - 2;
+      if (i >= n || cu_q_lens[i + 1] >= cu_q_lens[i]) return Violation{};
+      return Violation{kDecreasing, {i + 1, cu_q_lens[i + 1], cu_q_lens[i], n}};
+    }
+    if (entry == 2 + max_num_seqs) {
+      if (cu_q_lens[n] <= num_tokens) return Violation{};
+      return Violation{kRowsBeyond, {n, cu_q_lens[n], num_tokens}};
+    }
+    const int64_t i = (entry - 3 - max_num_seqs) / (pages_per_seq + 2);
+    const int64_t j = (entry - 3 - max_num_seqs) % (pages_per_seq + 2);
+    if (i >= n) return Violation{};
+    const int64_t q_len = int64_t{cu_q_lens[i + 1]} - cu_q_lens[i];
+    const int64_t kv_len = kv_lens[i];
+    const int64_t capacity = pages_per_seq * page_size;
+    if (j == 0) return kv_len >= q_len ? Violation{} : Violation{kKvBelowQ, {i, kv_len, q_len}};
+    if (j == 1) {
+      return kv_len <= capacity ? Violation{} : Violation{kKvBeyond, {i, kv_len, capacity}};
+    }
+    const int64_t p = j - 2;  // a page the sequence uses
+    if (p * page_size >= kv_len) return Violation{};
+    const int64_t page = page_indices[i * pages_per_seq + p];
+    if (page >= 0 && page < num_pages) return Violation{};
+    return Violation{kPageId, {i, p, page, num_pages}};
+  }
+
+  static ffi::Error Describe(const Violation& v) {
+    const int64_t* x = v.values;
+    switch (v.check) {
+      case kNumSeqs:
+        return ArgumentError(kTarget, "num_seqs",
+                             "0 <= num_seqs[0] <= max_num_seqs = " + std::to_string(x[1]),
+                             Entry("num_seqs", 0, x[0]));
+      case kFirstRow:
+        return ArgumentError(kTarget, "cu_q_lens", "cu_q_lens[0] >= 0",
+                             Entry("cu_q_lens", 0, x[0]));
+      case kDecreasing:
+        return ArgumentError(kTarget, "cu_q_lens",
+                             "non-decreasing entries 0..num_seqs = " + std::to_string(x[3]),
+                             Entry("cu_q_lens", x[0], x[1]) + " < " +
+                                 Entry("cu_q_lens", x[0] - 1, x[2]));
+      case kRowsBeyond:
+        return ArgumentError(kTarget, "cu_q_lens",
+                             "cu_q_lens[num_seqs] <= max_num_batched_tokens = " +
+                                 std::to_string(x[2]),
+                             Entry("cu_q_lens", x[0], x[1]));
+      case kKvBelowQ:
+        return ArgumentError(kTarget, "kv_lens",
+                             "kv_len >= q_len (the new tokens are in the cache)",
+                             Entry("kv_lens", x[0], x[1]) + " with q_len = " +
+                                 std::to_string(x[2]));
+      case kKvBeyond:
+        return ArgumentError(kTarget, "kv_lens",
+                             "kv_len <= pages_per_seq * page_size = " + std::to_string(x[2]),
+                             Entry("kv_lens", x[0], x[1]));
+      default:
+        return ArgumentError(kTarget, "page_indices",
+                             "page ids in [0, total_num_pages = " + std::to_string(x[3]) + ")",
+                             "page_indices[" + std::to_string(x[0]) + "][" +
+                                 std::to_string(x[1]) + "] = " + std::to_string(x[2]));
+    }
+  }
+};
 
 // Both platforms bind the same arguments, result and attributes, after their contexts.
 template <typename Binding>

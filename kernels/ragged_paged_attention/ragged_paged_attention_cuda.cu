@@ -23,6 +23,7 @@
 #include <string>
 
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/debug_checks.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
 #include "xla_ext/registry.h"
 
@@ -525,6 +526,10 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator s
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
+  if (cuda::DebugChecksEnabled()) {
+    XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
+        kTarget, stream, DataChecks::For(s, kv_lens, page_indices, cu_q_lens, num_seqs)));
+  }
   if (s.num_tokens == 0 || s.num_q_heads == 0) return ffi::Error::Success();
   // 16-byte row loads: XLA's buffers are aligned; a misaligned view would fault.
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(q.untyped_data()) |

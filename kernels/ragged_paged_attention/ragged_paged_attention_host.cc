@@ -1,6 +1,7 @@
-// Host (CPU) xla_ext.ragged_paged_attention: checks the first num_seqs sequences' entries,
-// then one (query row, query head) at a time over its sequence's K and V rows, with the
-// exact softmax weights of masked positions (ragged_paged_attention.h); f64 accumulation.
+// Host (CPU) xla_ext.ragged_paged_attention: checks the first num_seqs sequences' entries
+// (DataChecks), then one (query row, query head) at a time over its sequence's K and V rows,
+// with the exact softmax weights of masked positions (ragged_paged_attention.h); f64
+// accumulation.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,66 +37,6 @@ float ToFloat(Fp8E4M3Fn x) {
 template <typename T>
 float ToFloat(T x) {
   return host::ToFloat(x);
-}
-
-std::string Entry(const char* name, int64_t index, int64_t value) {
-  return std::string(name) + "[" + std::to_string(index) + "] = " + std::to_string(value);
-}
-
-// The data ragged_paged_attention.h lists, for the first num_seqs sequences.
-ffi::Error CheckData(const Shapes& s, int32_t num_seqs, const int32_t* cu_q_lens,
-                     const int32_t* kv_lens, const int32_t* page_indices) {
-  if (num_seqs < 0 || num_seqs > s.max_num_seqs) {
-    return ArgumentError(kTarget, "num_seqs",
-                         "0 <= num_seqs[0] <= max_num_seqs = " + std::to_string(s.max_num_seqs),
-                         Entry("num_seqs", 0, num_seqs));
-  }
-  if (cu_q_lens[0] < 0) {
-    return ArgumentError(kTarget, "cu_q_lens", "cu_q_lens[0] >= 0",
-                         Entry("cu_q_lens", 0, cu_q_lens[0]));
-  }
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    if (cu_q_lens[i + 1] < cu_q_lens[i]) {
-      return ArgumentError(kTarget, "cu_q_lens",
-                           "non-decreasing entries 0..num_seqs = " + std::to_string(num_seqs),
-                           Entry("cu_q_lens", i + 1, cu_q_lens[i + 1]) + " < " +
-                               Entry("cu_q_lens", i, cu_q_lens[i]));
-    }
-  }
-  if (cu_q_lens[num_seqs] > s.num_tokens) {
-    return ArgumentError(kTarget, "cu_q_lens",
-                         "cu_q_lens[num_seqs] <= max_num_batched_tokens = " +
-                             std::to_string(s.num_tokens),
-                         Entry("cu_q_lens", num_seqs, cu_q_lens[num_seqs]));
-  }
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q_len = int64_t{cu_q_lens[i + 1]} - cu_q_lens[i];
-    const int64_t kv_len = kv_lens[i];
-    if (kv_len < q_len) {
-      return ArgumentError(kTarget, "kv_lens",
-                           "kv_len >= q_len (the new tokens are in the cache)",
-                           Entry("kv_lens", i, kv_len) + " with q_len = " +
-                               std::to_string(q_len));
-    }
-    if (kv_len > s.capacity()) {
-      return ArgumentError(kTarget, "kv_lens",
-                           "kv_len <= pages_per_seq * page_size = " +
-                               std::to_string(s.capacity()),
-                           Entry("kv_lens", i, kv_len));
-    }
-    const int64_t used_pages = (kv_len + s.page_size - 1) / s.page_size;
-    for (int64_t p = 0; p < used_pages; ++p) {
-      const int64_t page = page_indices[i * s.pages_per_seq + p];
-      if (page < 0 || page >= s.num_pages) {
-        return ArgumentError(kTarget, "page_indices",
-                             "page ids in [0, total_num_pages = " + std::to_string(s.num_pages) +
-                                 ")",
-                             "page_indices[" + std::to_string(i) + "][" + std::to_string(p) +
-                                 "] = " + std::to_string(page));
-      }
-    }
-  }
-  return ffi::Error::Success();
 }
 
 template <typename T, typename KV>
@@ -210,7 +151,8 @@ ffi::Error RaggedPagedAttentionHost(ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
   const auto* pages = static_cast<const int32_t*>(page_indices.untyped_data());
   const auto* cu = static_cast<const int32_t*>(cu_q_lens.untyped_data());
   const int32_t n = *static_cast<const int32_t*>(num_seqs.untyped_data());
-  XLA_EXT_RETURN_IF_ERROR(CheckData(s, n, cu, lens, pages));
+  XLA_EXT_RETURN_IF_ERROR(
+      FirstViolation(DataChecks::For(s, kv_lens, page_indices, cu_q_lens, num_seqs)));
   return Dispatch(q.element_type(), s.fp8_kv, [&](auto q_zero, auto kv_zero) {
     using T = decltype(q_zero);
     using KV = decltype(kv_zero);

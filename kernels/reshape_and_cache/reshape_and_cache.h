@@ -12,7 +12,9 @@
 // cache) go to slot slot_mapping[i].
 //
 // A slot >= num_blocks * block_size: Host returns InvalidArgument naming slot_mapping; CUDA
-// cannot report it without synchronising and skips that token (never writes out of bounds).
+// cannot report it without synchronising and skips that token (never writes out of bounds),
+// unless XLA_EXT_DEBUG_CHECKS is set: then it checks every slot on the device first and returns
+// the Host handler's error, the caches unchanged (kernels/common/debug_checks.cuh).
 #ifndef XLA_EXT_KERNELS_RESHAPE_AND_CACHE_RESHAPE_AND_CACHE_H_
 #define XLA_EXT_KERNELS_RESHAPE_AND_CACHE_RESHAPE_AND_CACHE_H_
 
@@ -20,11 +22,19 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
 namespace xla_ext::reshape_and_cache {
 
 inline constexpr char kTarget[] = "xla_ext.reshape_and_cache";
+
+// Every slot below num_blocks * block_size, or negative (data_checks.h).
+struct SlotNames {
+  static constexpr const char* kOp = kTarget;
+  static constexpr const char* kNumSlots = "num_blocks * block_size";
+};
+using SlotMappingChecks = SlotChecks<int64_t, SlotNames>;
 
 struct Shapes {
   int64_t num_tokens;

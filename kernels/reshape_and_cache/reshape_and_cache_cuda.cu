@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/debug_checks.cuh"
 #include "kernels/reshape_and_cache/reshape_and_cache.h"
 #include "xla_ext/registry.h"
 
@@ -44,6 +45,12 @@ ffi::Error ReshapeAndCacheCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::Any
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(Check(key, value, key_cache, value_cache, slot_mapping, *key_cache_out,
                                 *value_cache_out, s));
+  if (cuda::DebugChecksEnabled()) {
+    XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
+        kTarget, stream,
+        SlotMappingChecks{static_cast<const int64_t*>(slot_mapping.untyped_data()),
+                          s.num_tokens, s.num_slots}));
+  }
   XLA_EXT_RETURN_IF_ERROR(cuda::CopyUnlessAliased(kTarget, key_cache, *key_cache_out, stream));
   XLA_EXT_RETURN_IF_ERROR(
       cuda::CopyUnlessAliased(kTarget, value_cache, *value_cache_out, stream));

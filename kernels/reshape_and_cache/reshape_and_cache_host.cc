@@ -18,14 +18,7 @@ ffi::Error ReshapeAndCacheHost(ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::An
   XLA_EXT_RETURN_IF_ERROR(Check(key, value, key_cache, value_cache, slot_mapping, *key_cache_out,
                                 *value_cache_out, s));
   const auto* slots = static_cast<const int64_t*>(slot_mapping.untyped_data());
-  for (int64_t i = 0; i < s.num_tokens; ++i) {
-    if (slots[i] >= s.num_slots) {
-      return ArgumentError(kTarget, "slot_mapping",
-                           "slots < num_blocks * block_size = " + std::to_string(s.num_slots) +
-                               " (negative to skip)",
-                           "slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]));
-    }
-  }
+  XLA_EXT_RETURN_IF_ERROR(FirstViolation(SlotMappingChecks{slots, s.num_tokens, s.num_slots}));
 
   const size_t row_bytes = s.row_elements * ffi::ByteWidth(key.element_type());
   auto write = [&](const ffi::AnyBuffer& rows, const ffi::AnyBuffer& cache,

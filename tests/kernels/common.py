@@ -17,6 +17,11 @@ from torch_xla_ext import sample_inputs  # noqa: E402
 
 PLATFORM = os.environ.get("XLA_EXT_TEST_PLATFORM", "cpu")
 DEVICE = jax.devices(PLATFORM)[0]
+# Whether the handlers under test reject bad block ids, lengths and slots: the Host handlers
+# always; the CUDA handlers with XLA_EXT_DEBUG_CHECKS set (kernels/common/debug_checks.cuh),
+# else they skip or clamp such entries as each op's header says.
+HANDLERS_CHECK_DATA = PLATFORM == "cpu" or os.environ.get("XLA_EXT_DEBUG_CHECKS", "") not in (
+    "", "0")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCES = sample_inputs.TOLERANCES

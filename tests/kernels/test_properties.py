@@ -18,12 +18,14 @@ names the argument, and leave every input (the caches above all) as it was:
                tensors (data is checked by the handler only), so "unchanged" means it
                checked everything before writing.
 
-CPU only: the CUDA handlers skip bad data instead of reporting it (kernels/*/*.h).
+CPU only: the CUDA handlers skip bad data instead of reporting it (kernels/*/*.h) unless
+XLA_EXT_DEBUG_CHECKS is set, which tests/gpu/debug_checks_test.py covers on the GPU.
 CI keeps it deterministic and short: derandomize=True, few examples, small shapes.
 """
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -383,6 +385,109 @@ def test_kv_cache_update_slices_matches_reference(dtype, data, extra_columns, ju
         assert_same_bits(want[slot], args["kv"][row])
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _f32(x):
+    """x as the float32 attribute the handler gets (None stays None)."""
+    return None if x is None else float(np.float32(x))
+
+
+@st.composite
+def ragged_batches(draw, dtypes=DTYPES, head_dims=checks.RAGGED_HEAD_DIMS,
+                   page_sizes=checks.RAGGED_PAGE_SIZES, at_least_one_row=False, max_work=2e7):
+    """A ragged batch as vLLM builds one: per sequence a kv_len around page edges (0, 1,
+    page_size - 1, page_size, page_size + 1, at times a long one) and a q_len (none, a decode,
+    the whole prompt, a chunk), GQA groups up to 16, q of any float dtype with kv_pages of its
+    dtype or fp8, query rows starting 0..2 rows in with padding rows after, max_num_seqs past
+    num_seqs with junk there (cu_q_lens, kv_lens, page ids), each sequence's pages scattered
+    over a cache with spare pages, and NaN wherever nothing may be read (spare pages, positions
+    past a sequence's kv_len). q_len * kv_len * heads * head_dim over the batch stays below
+    max_work (prompts become decodes), for the f64 Host handler's time."""
+    page_size = draw(st.sampled_from(page_sizes))
+    kv_lens = draw(ragged_lengths(page_size, 5 * page_size))
+    q_lens = [draw(st.one_of(st.just(min(n, 1)), st.just(n), st.integers(0, n))) for n in kv_lens]
+    if at_least_one_row and sum(q_lens) == 0:
+        kv_lens[0], q_lens[0] = max(kv_lens[0], 1), 1
+    num_kv_heads = draw(st.integers(1, 2))
+    num_q_heads = num_kv_heads * draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    head_dim = draw(st.sampled_from(head_dims))
+    for i in sorted(range(len(q_lens)), key=lambda i: -q_lens[i] * kv_lens[i]):
+        if sum(q * n for q, n in zip(q_lens, kv_lens)) * num_q_heads * head_dim <= max_work:
+            break
+        q_lens[i] = min(q_lens[i], 1)
+    dtype = draw(st.sampled_from(dtypes))
+    kv_dtype = dtype if dtype == torch.float32 else draw(st.sampled_from([dtype, FP8]))
+    num_seqs = len(kv_lens)
+    max_num_seqs = num_seqs + draw(st.integers(0, 2))
+    first_row, padding = draw(st.integers(0, 2)), draw(st.integers(0, 3))
+    needed = [-(-n // page_size) for n in kv_lens]
+    pages_per_seq = max(needed + [1]) + draw(st.integers(0, 1))
+    num_pages = sum(needed) + draw(st.integers(0, 2))
+    gen = torch.Generator().manual_seed(draw(seeds))
+
+    def junk(*shape):
+        return torch.randint(-INT32_MAX - 1, INT32_MAX, shape, generator=gen,
+                             dtype=torch.int64).int()
+
+    ids = torch.randperm(num_pages, generator=gen).int()
+    page_indices = junk(max_num_seqs, pages_per_seq)
+    cu_q_lens = junk(max_num_seqs + 1)
+    cu_q_lens[:num_seqs + 1] = first_row + torch.tensor([0] + q_lens).cumsum(0)
+    lens = junk(max_num_seqs)
+    lens[:num_seqs] = torch.tensor(kv_lens)
+    kv_pages = torch.randn(num_pages, page_size, 2 * num_kv_heads, head_dim, generator=gen)
+    unused = torch.ones(num_pages, page_size, dtype=torch.bool)
+    used = 0
+    for seq, (n, kv_len) in enumerate(zip(needed, kv_lens)):
+        page_indices[seq, :n] = ids[used:used + n]
+        for p in range(n):
+            unused[ids[used + p], :min(page_size, kv_len - p * page_size)] = False
+        used += n
+    kv_pages[unused] = float("nan")
+    num_tokens = first_row + sum(q_lens) + padding
+    return dict(q=torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype),
+                kv_pages=kv_pages.to(kv_dtype), kv_lens=lens, page_indices=page_indices,
+                cu_q_lens=cu_q_lens, num_seqs=torch.tensor([num_seqs], dtype=torch.int32),
+                sm_scale=_f32(draw(st.one_of(st.floats(-1.0, 1.0), st.just(head_dim ** -0.5)))),
+                sliding_window=draw(st.one_of(st.none(), st.integers(1, 2 * page_size))),
+                soft_cap=_f32(draw(st.one_of(st.none(), st.floats(1e-2, 1e3)))),
+                mask_value=_f32(draw(st.one_of(st.none(), st.sampled_from([0.0, -5.0, -1e4]),
+                                               st.floats(-1e30, 0.0)))),
+                k_scale=_f32(draw(st.one_of(st.none(), st.floats(0.1, 4.0)))),
+                v_scale=_f32(draw(st.one_of(st.none(), st.floats(0.1, 4.0)))))
+
+
+def _ragged_reference(args):
+    mask_value = args["mask_value"]
+    return reference.ragged_paged_attention_ref(**dict(
+        args, mask_value=reference.DEFAULT_MASK_VALUE if mask_value is None else mask_value))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@properties(max_examples=10)
+@given(data=st.data())
+def test_ragged_paged_attention_matches_reference(dtype, data):
+    args = data.draw(ragged_batches(dtypes=[dtype]))
+    op = OPS["ragged_paged_attention"]
+    want = _ragged_reference(args)
+    atol, rtol = TOLERANCES[dtype]
+    first, last = int(args["cu_q_lens"][0]), int(args["cu_q_lens"][int(args["num_seqs"][0])])
+    outs = run_jax(op, args, "jax") + run_jax(op, args, "jit") + run_torch(op, args)
+    for out in outs:
+        assert out.shape == args["q"].shape and out.dtype == dtype
+        torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol)
+        assert torch.all(out[:first] == 0) and torch.all(out[last:] == 0)  # rows nobody owns
+    # A sequence on its own: the same bits as within the batch.
+    seq = data.draw(st.integers(0, int(args["num_seqs"][0]) - 1))
+    start, end = int(args["cu_q_lens"][seq]), int(args["cu_q_lens"][seq + 1])
+    alone = dict(args, q=args["q"][start:end], kv_lens=args["kv_lens"][seq:seq + 1],
+                 page_indices=args["page_indices"][seq:seq + 1],
+                 cu_q_lens=torch.tensor([0, end - start], dtype=torch.int32),
+                 num_seqs=torch.tensor([1], dtype=torch.int32))
+    assert_same_bits(run_torch(op, alone)[0], outs[2][start:end])
+
+
 # ------------------------------------------------------------------------------------------
 # Invalid calls: rejected by every path that can see the mistake, naming the argument, with
 # every input (every cache) left as it was.
@@ -724,3 +829,117 @@ def test_kv_cache_update_slices_rejects(bad, w, extra_columns, data):
     args["num_slices_per_block"] = 4
     check_rejected(OPS["kv_cache_update_slices"], bad.change(args, data.draw), bad)
 
+
+# ragged_paged_attention
+def _ragged_seq(a, draw, with_rows=False):
+    """A sequence in use (one with query rows, if with_rows)."""
+    n = int(a["num_seqs"][0])
+    q_lens = (a["cu_q_lens"][1:n + 1] - a["cu_q_lens"][:n]).tolist()
+    return draw(st.sampled_from([i for i in range(n) if q_lens[i] > 0 or not with_rows]))
+
+
+def _used_page(a, draw):
+    """(seq, p): a page-table entry a sequence in use reads."""
+    n, page_size = int(a["num_seqs"][0]), a["kv_pages"].shape[1]
+    seq = draw(st.sampled_from([i for i in range(n) if a["kv_lens"][i] > 0]))
+    return seq, draw(st.integers(0, (int(a["kv_lens"][seq]) - 1) // page_size))
+
+
+def _q_len(a, seq):
+    return int(a["cu_q_lens"][seq + 1] - a["cu_q_lens"][seq])
+
+
+def _fresh_kv_pages(a, draw, dim, values):
+    shape = list(a["kv_pages"].shape)
+    shape[dim] = draw(st.sampled_from(values))
+    return _fresh(tuple(shape), a["kv_pages"].dtype)
+
+
+RAGGED_BAD = [
+    Bad("q_dtype", "q", lambda a, draw: _with(a, q=a["q"].to(
+        draw(st.sampled_from([torch.int32, torch.float64, FP8]))))),
+    Bad("q_rank", "q", lambda a, draw: _with(a, q=_bad_rank(a["q"], draw))),
+    Bad("q_head_dim", "q", lambda a, draw: _with(a, q=_fresh(
+        a["q"].shape[:2] + (draw(st.sampled_from([1, 32, 48, 65, 160, 512])),), a["q"].dtype))),
+    Bad("kv_pages_dtype", "kv_pages", lambda a, draw: _with(a, kv_pages=a["kv_pages"].to(_other(
+        DTYPES + [torch.float64], a["q"].dtype)(draw)) if a["kv_pages"].dtype != FP8 else
+        a["kv_pages"].to(torch.float64))),
+    Bad("kv_pages_fp8_with_f32_q", "kv_pages", lambda a, draw: _with(
+        a, q=a["q"].float(), kv_pages=a["kv_pages"].to(FP8))),
+    Bad("kv_pages_rank", "kv_pages", lambda a, draw: _with(a, kv_pages=_bad_rank(
+        a["kv_pages"], draw))),
+    Bad("kv_pages_head_dim", "kv_pages", lambda a, draw: _with(a, kv_pages=_fresh_kv_pages(
+        a, draw, 3, [d for d in (32, 80, 128, 65) if d != a["q"].shape[2]]))),
+    Bad("page_size", "kv_pages", lambda a, draw: _with(a, kv_pages=_fresh_kv_pages(
+        a, draw, 1, [1, 4, 12, 24, 256]))),
+    Bad("combined_heads", "kv_pages", lambda a, draw: _with(a, kv_pages=_fresh_kv_pages(
+        a, draw, 2, [0, 1, a["kv_pages"].shape[2] + 1] + (
+            [2 * (a["q"].shape[1] + 1)] if a["q"].shape[1] > 1 else [])))),
+    Bad("gqa_group_beyond_16", "kv_pages", lambda a, draw: _with(a, q=_fresh(
+        (a["q"].shape[0], 17 * a["kv_pages"].shape[2] // 2, a["q"].shape[2]), a["q"].dtype))),
+    Bad("kv_lens_dtype", "kv_lens", lambda a, draw: _with(a, kv_lens=a["kv_lens"].long())),
+    Bad("kv_lens_shape", "kv_lens", lambda a, draw: _with(a, kv_lens=_grow_or_shrink(
+        a["kv_lens"], 0, draw) if draw(st.booleans()) else a["kv_lens"][None])),
+    Bad("page_indices_dtype", "page_indices", lambda a, draw: _with(a, page_indices=a[
+        "page_indices"].to(draw(st.sampled_from([torch.int64, torch.int16]))))),
+    Bad("page_indices_rank", "page_indices", lambda a, draw: _with(a, page_indices=a[
+        "page_indices"][None] if draw(st.booleans()) else a["page_indices"][0])),
+    Bad("cu_q_lens_dtype", "cu_q_lens", lambda a, draw: _with(a, cu_q_lens=a[
+        "cu_q_lens"].to(draw(st.sampled_from([torch.int64, torch.float32]))))),
+    Bad("cu_q_lens_shape", "cu_q_lens", lambda a, draw: _with(a, cu_q_lens=_grow_or_shrink(
+        a["cu_q_lens"], 0, draw))),
+    Bad("num_seqs_dtype", "num_seqs", lambda a, draw: _with(a, num_seqs=a["num_seqs"].long())),
+    Bad("num_seqs_shape", "num_seqs", lambda a, draw: _with(a, num_seqs=draw(st.sampled_from(
+        [a["num_seqs"].repeat(2), a["num_seqs"][:0]])))),
+    # Attributes: the handler takes 0 as "none" for sliding_window and soft_cap, and any
+    # mask_value but NaN; only the Python side wants None, a cap > 0 and a finite mask.
+    Bad("sm_scale", "sm_scale", lambda a, draw: _with(a, sm_scale=draw(st.sampled_from(
+        [float("nan"), float("inf"), -float("inf"), 3.5e38])))),
+    Bad("k_scale", "k_scale", lambda a, draw: _with(a, k_scale=draw(st.sampled_from(
+        [float("nan"), float("inf"), -4e38])))),
+    Bad("v_scale", "v_scale", lambda a, draw: _with(a, v_scale=draw(st.sampled_from(
+        [float("nan"), float("inf")])))),
+    Bad("sliding_window_negative", "sliding_window", lambda a, draw: _with(
+        a, sliding_window=draw(st.integers(-INT32_MAX - 1, -1)))),
+    Bad("sliding_window_zero_or_beyond_int32", "sliding_window", lambda a, draw: _with(
+        a, sliding_window=draw(st.sampled_from([0, INT32_MAX + 1, 2 ** 40]))), FRONT_END),
+    Bad("soft_cap", "soft_cap", lambda a, draw: _with(a, soft_cap=draw(st.one_of(
+        st.sampled_from([float("nan"), float("inf"), -1.0, 3.5e38]),
+        st.floats(max_value=-1e-30))))),
+    Bad("soft_cap_zero", "soft_cap", lambda a, draw: _with(a, soft_cap=0.0), FRONT_END),
+    Bad("mask_value_nan", "mask_value", lambda a, draw: _with(a, mask_value=float("nan"))),
+    Bad("mask_value_infinite", "mask_value", lambda a, draw: _with(a, mask_value=draw(
+        st.sampled_from([float("inf"), -float("inf"), -3.5e38]))), FRONT_END),
+    # Data: the count, the row ranges, the lengths and the page ids they reach.
+    Bad("num_seqs_out_of_range", "num_seqs", lambda a, draw: _with(a, num_seqs=torch.tensor(
+        [draw(st.one_of(st.integers(-INT32_MAX - 1, -1),
+                        st.integers(a["kv_lens"].shape[0] + 1, INT32_MAX)))], dtype=torch.int32))),
+    Bad("first_row_negative", "cu_q_lens", lambda a, draw: _with(a, cu_q_lens=_set(
+        a["cu_q_lens"], 0, _data(draw, -INT32_MAX - 1, -1)))),
+    Bad("rows_decreasing", "cu_q_lens", lambda a, draw: (lambda seq: _with(a, cu_q_lens=_set(
+        a["cu_q_lens"], seq + 1, int(a["cu_q_lens"][seq]) - _data(draw, 1, 2 ** 20))))(
+        _ragged_seq(a, draw))),
+    Bad("rows_beyond_batch", "cu_q_lens", lambda a, draw: _with(a, cu_q_lens=_set(
+        a["cu_q_lens"], int(a["num_seqs"][0]), _data(draw, a["q"].shape[0] + 1, INT32_MAX)))),
+    Bad("kv_len_below_q_len", "kv_lens", lambda a, draw: (lambda seq: _with(a, kv_lens=_set(
+        a["kv_lens"], seq, _data(draw, -INT32_MAX - 1, _q_len(a, seq) - 1))))(
+        _ragged_seq(a, draw, with_rows=True))),
+    Bad("kv_len_beyond_pages", "kv_lens", lambda a, draw: _with(a, kv_lens=_set(
+        a["kv_lens"], _ragged_seq(a, draw),
+        _data(draw, a["page_indices"].shape[1] * a["kv_pages"].shape[1] + 1, INT32_MAX)))),
+    Bad("page_id_negative", "page_indices", lambda a, draw: _with(a, page_indices=_set(
+        a["page_indices"], _used_page(a, draw), _data(draw, -INT32_MAX - 1, -1)))),
+    Bad("page_id_beyond_cache", "page_indices", lambda a, draw: _with(a, page_indices=_set(
+        a["page_indices"], _used_page(a, draw),
+        _data(draw, a["kv_pages"].shape[0], INT32_MAX)))),
+]
+
+
+@pytest.mark.parametrize("bad", RAGGED_BAD, ids=repr)
+# The handler path passes attributes as float32, as XLA would: 3.5e38 becomes inf on purpose.
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@properties(max_examples=3)
+@given(args=ragged_batches(head_dims=(64, 128), page_sizes=(8, 16), at_least_one_row=True),
+       data=st.data())
+def test_ragged_paged_attention_rejects(bad, args, data):
+    check_rejected(OPS["ragged_paged_attention"], bad.change(args, data.draw), bad)

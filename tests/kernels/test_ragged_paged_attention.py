@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests import reference
-from tests.kernels.common import DTYPES, PLATFORM, TOLERANCES, to_jax, to_torch
+from tests.kernels.common import (DTYPES, HANDLERS_CHECK_DATA, PLATFORM, TOLERANCES, to_jax,
+                                  to_torch)
 
 TARGET = "xla_ext.ragged_paged_attention"
 FP8 = torch.float8_e4m3fn
@@ -373,8 +374,9 @@ BAD_DATA = [  # sequences 0 and 1: q_len 3 and 1, kv_len 10 and 20; pages of 8, 
 
 @pytest.mark.parametrize("arg,detail,corrupt", BAD_DATA, ids=[a for a, _, _ in BAD_DATA])
 def test_host_rejects_bad_data(arg, detail, corrupt):
-    if PLATFORM != "cpu":
-        pytest.skip("the CUDA handler cannot report data errors (see test_cuda_bad_data)")
+    if not HANDLERS_CHECK_DATA:
+        pytest.skip("the CUDA handler reports data errors only with XLA_EXT_DEBUG_CHECKS set "
+                    "(see test_cuda_bad_data)")
     with pytest.raises(Exception, match=f"argument '{arg}'.*{detail}"):
         run(corrupt(_inputs()), attributes(64))
 
@@ -389,8 +391,8 @@ def test_host_ignores_entries_past_num_seqs():
 
 def test_cuda_bad_data():
     """What ragged_paged_attention.h says the CUDA handler does with bad data."""
-    if PLATFORM == "cpu":
-        pytest.skip("the Host handler rejects bad data (test_host_rejects_bad_data)")
+    if HANDLERS_CHECK_DATA:
+        pytest.skip("the handler rejects bad data (test_host_rejects_bad_data)")
     attrs = attributes(64)
     ref = functools.partial(reference.ragged_paged_attention_ref, **attrs)
     inputs = _inputs()

@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
 # The GPU proof, in one command on the GPU machine (no Bazel there):
 #   build the kernels with its nvcc (sm_80, sm_90a, compute_90), run every GPU test (CUDA
-#   handlers through JAX's XLA GPU, through torchax, through torch on CUDA tensors), the
-#   compute-sanitizer memcheck and racecheck runs, the registration of our CUDA handlers into
-#   JAX's CUDA PJRT plugin by our own path, the benchmark, and an ncu profile of paged attention.
+#   handlers through JAX's XLA GPU, through torchax, through torch on CUDA tensors; again with
+#   XLA_EXT_DEBUG_CHECKS=1), the registration of our CUDA handlers into JAX's CUDA PJRT plugin
+#   by our own path, the benchmark, and an ncu profile of paged attention.
 # Writes <gpu>.json, <gpu>-tests.txt, <gpu>-plugin.txt, <gpu>-kernel-times.json,
 # <gpu>-dispatch-command-buffers.txt, <gpu>-dispatch-record-probe.txt and <gpu>-ncu.txt to $OUT
 # (default bench/results). Needs: .devbuild/ffi_include (jaxlib 0.7.1's FFI headers) and, for
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
-#   tools/device/run.sh [all|tests|bench|kv_cache|ragged|sanitize_jax]   (all: tests and bench;
-#   each fits 10 minutes)
+#   tools/device/run.sh [all|tests|bench|kv_cache|ragged|decode|serving]   (all: tests and
+#   bench; each fits 10 minutes)
+#   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
+#   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 #   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
-#   sanitize_jax: compute-sanitizer over the JAX path only (also part of tests)
+#   decode:   paged decode attention on skewed batches: its GPU tests (both kernels, torch and
+#             JAX, memcheck and racecheck), bench/decode_bench.py (the five uniform shapes) and
+#             bench/decode_mixes_bench.py with FlashInfer (tools/device/flashinfer_tree.sh)
+#             -> <gpu>-decode-tests.txt, <gpu>-decode-uniform.json, <gpu>-decode-mixes.json
+#   sanitize: compute-sanitizer over the GPU tests, torch and JAX paths, with the debug checks
+#             on and (memcheck) off -> <gpu>-sanitize.txt; not part of tests or all
+#   serving:  the serving loop (torch_xla_ext/serving) through torchax against transformers on
+#             this GPU: bench/serving_compare.py -> <gpu>-serving-compare.json (tokens, first
+#             divergence, logit differences) and bench/serving_bench.py -> <gpu>-serving.json
+#             (throughput, time per step, profile); logs in <gpu>-serving.txt, its summary
+#             lines in <gpu>-serving-summary.txt. Needs the
+#             transformers wheel in .whl/ too (bench/README.md)
+#   tp2:      bench/tp_bench.py --tp 2 (needs two GPUs): one decoder layer's serving step with
+#             heads split over 2 GPUs against 1 GPU, step times and the collective share
+#             -> <gpu>-tp2.json
+#   tp1:      the single-device half of it (any one GPU) -> <gpu>-tp1.json
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -27,33 +44,96 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 TESTS="$OUT/$GPU-tests.txt"
+[[ $PHASE == decode ]] && TESTS="$OUT/$GPU-decode-tests.txt"
+[[ $PHASE == serving ]] && TESTS="$OUT/$GPU-serving-summary.txt"
+if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
+  shift
+  SANITIZERS=("$@")
+  TESTS="$OUT/$GPU-sanitize$(printf -- '-%s' "${SANITIZERS[@]}").txt"
+  (( ${#SANITIZERS[@]} )) || { SANITIZERS=(memcheck racecheck synccheck); TESTS="$OUT/$GPU-sanitize.txt"; }
+fi
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning)
 
-# The handlers through JAX's XLA GPU (the path users run), under memcheck and racecheck.
-sanitize_jax() {
+# compute-sanitizer over the GPU tests. Each run is one process (JAX and torch share the GPU:
+# no preallocation); the kernel tests that only repeat covered code paths at sizes the
+# sanitizers make slow (random shapes, rows of thousands of tokens) are left out.
+KERNEL_TESTS=(tests/kernels/test_kv_cache_update.py tests/kernels/test_paged_attention.py
+              tests/kernels/test_ragged_paged_attention.py tests/kernels/test_reshape_and_cache.py
+              tests/kernels/test_simple_add.py)
+SANITIZER_DESELECT="not random and not long_rows and not very_long"
+sanitize_run() {  # tool, debug checks (0/1), label, pytest arguments...
+  local tool="$1" debug="$2" label="$3"
+  shift 3
+  step "compute-sanitizer --tool $tool, XLA_EXT_DEBUG_CHECKS=$debug: $label"
+  XLA_EXT_DEBUG_CHECKS="$debug" XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 compute-sanitizer --tool "$tool" \
+    --error-exitcode 9 "${PYTEST[@]}" "$@" > "/tmp/sanitizer-$tool.txt" 2>&1
+  local code=$?
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"
+  [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"; }
+}
+sanitize() {  # tools...
+  command -v compute-sanitizer > /dev/null || { step "compute-sanitizer: not installed"; status=1; return; }
   local tool
-  for tool in memcheck racecheck; do
-    step "compute-sanitizer --tool $tool through JAX: kv_cache_update, simple_add, ragged attention"
-    XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_EXT_TEST_PLATFORM=cuda timeout 200 compute-sanitizer \
-      --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-      -W ignore::DeprecationWarning tests/kernels/test_kv_cache_update.py \
-      tests/kernels/test_simple_add.py tests/kernels/test_ragged_paged_attention.py \
-      -k "not random and not long_rows" > "/tmp/sanitizer-jax-$tool.txt" 2>&1
-    local code=$?
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-jax-$tool.txt" | tee -a "$TESTS"
-    [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-jax-$tool.txt" | tee -a "$TESTS"; }
+  for tool in "$@"; do
+    # The kernels' own handling of bad data (skip, clamp) runs only with the checks off.
+    [[ $tool == memcheck ]] && sanitize_run "$tool" 0 "kernel tests through JAX" \
+      "${KERNEL_TESTS[@]}" -k "$SANITIZER_DESELECT"
+    # With them on: the check kernels too, on every valid call and on the bad ones; the
+    # CUDA-graph cases start processes of their own, which the sanitizer would not see.
+    sanitize_run "$tool" 1 "kernel tests through JAX, torch on CUDA tensors, debug checks" \
+      "${KERNEL_TESTS[@]}" tests/gpu/torch_cuda_test.py tests/gpu/debug_checks_test.py \
+      -k "$SANITIZER_DESELECT and not opcheck and not cuda_graph"
   done
 }
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == sanitize_jax ]] || \
-  : > "$TESTS"
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == tp1 || $PHASE == tp2 ]] \
+  || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step "build: tools/device/build_kernels.sh"
 tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
 
-if [[ $PHASE == sanitize_jax ]]; then
-  sanitize_jax
+if [[ $PHASE == sanitize ]]; then
+  sanitize "${SANITIZERS[@]}"
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == decode ]]; then
+  step "paged attention through JAX on the GPU: tensor-core kernel, then CUDA-core kernel"
+  XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/kernels/test_paged_attention.py 2>&1 | tail -3 | \
+    tee -a "$TESTS" || status=1
+  XLA_EXT_PAGED_ATTENTION_KERNEL=simt XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
+    tests/kernels/test_paged_attention.py 2>&1 | tail -1 | sed 's/^/CUDA-core kernel: /' | \
+    tee -a "$TESTS" || status=1
+  "${PYTEST[@]}" tests/gpu/torch_cuda_test.py 2>&1 | tail -1 | tee -a "$TESTS" || status=1
+  step "benchmark: the five uniform shapes (bench/decode_bench.py)"
+  python3 bench/decode_bench.py --skip-add --out "$OUT/$GPU-decode-uniform.json" > /tmp/bench.txt 2>&1 || \
+    { status=1; tail -20 /tmp/bench.txt | tee -a "$TESTS"; }
+  step "benchmark: batch mixes against FlashInfer (bench/decode_mixes_bench.py)"
+  FI_TREE=$(tools/device/flashinfer_tree.sh) || status=1
+  PYTHONPATH="$PYTHONPATH:$FI_TREE" FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws TORCH_CUDA_ARCH_LIST=9.0a \
+    timeout 420 python3 bench/decode_mixes_bench.py --flashinfer --out "$OUT/$GPU-decode-mixes.json" \
+    2>&1 | tee /tmp/mixes.txt | grep -E '"impl": "(xla_ext|flashinfer_tensor_core)"|error|Error' \
+    | cut -c1-220 | tee -a "$TESTS" || status=1
+  for tool in memcheck racecheck; do
+    XLA_EXT_PAGED_ATTENTION_KERNEL=tensor_core sanitize_run "$tool" 0 "skewed batches, tensor-core kernel" \
+      tests/kernels/test_paged_attention.py -k "skewed or zero_length"
+    XLA_EXT_PAGED_ATTENTION_KERNEL=simt sanitize_run "$tool" 0 "skewed batches, CUDA-core kernel" \
+      tests/kernels/test_paged_attention.py -k "skewed or zero_length"
+  done
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == tp1 || $PHASE == tp2 ]]; then
+  step "tensor parallel over heads, ${PHASE#tp} GPU(s): bench/tp_bench.py"
+  # NCCL's NVLink multicast (NVLS) stays off, as the lent multi-GPU machines require.
+  NCCL_NVLS_ENABLE=0 python3 bench/tp_bench.py --tp "${PHASE#tp}" --out "$OUT/$GPU-$PHASE.json" \
+    2>&1 | tail -12 | tee -a "$TESTS"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   step "done, status $status"
   exit $status
 fi
@@ -62,6 +142,19 @@ if [[ $PHASE == ragged ]]; then
   step "ragged paged attention against its roofline: bench/ragged_bench.py"
   python3 bench/ragged_bench.py --out "$OUT/$GPU-ragged.json" 2>&1 | grep -E " us |copy|failed|Error" \
     | tee -a "$TESTS" || status=1
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == serving ]]; then
+  LOG="$OUT/$GPU-serving.txt"
+  : > "$LOG"
+  step "serving loop vs transformers (transformers $(python3 -c 'import transformers; print(transformers.__version__)'), torchax $(python3 -c 'import torchax; print(torchax.__version__)'))" | tee -a "$LOG"
+  timeout 180 python3 bench/serving_compare.py --out "$OUT/$GPU-serving-compare.json" 2>&1 | \
+    grep -v -i warn | tee -a "$LOG" | grep -E "requests equal|wrote|Error" | tee -a "$TESTS" || status=1
+  step "serving loop throughput: bench/serving_bench.py" | tee -a "$LOG"
+  timeout 330 python3 bench/serving_bench.py --out "$OUT/$GPU-serving.json" 2>&1 | \
+    grep -v -i warn | tee -a "$LOG" | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
 fi
@@ -87,18 +180,16 @@ XLA_EXT_TEST_PLATFORM=cuda python3 -m pytest -q -p no:cacheprovider -W ignore::D
 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py \
   2>&1 | tail -3 | tee -a "$TESTS" || status=1
 
-# The sanitizers run the CUDA handlers through torch (one process, no XLA autotuning noise).
-for tool in memcheck racecheck synccheck; do
-  command -v compute-sanitizer > /dev/null || { step "compute-sanitizer: not installed"; break; }
-  step "compute-sanitizer --tool $tool: tests/gpu/torch_cuda_test.py"
-  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    -W ignore::DeprecationWarning tests/gpu/torch_cuda_test.py -k "not opcheck" > /tmp/sanitizer.txt 2>&1
-  code=$?
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/sanitizer.txt | tee -a "$TESTS"
-  [[ $code == 0 ]] || { status=1; tail -30 /tmp/sanitizer.txt | tee -a "$TESTS"; }
-done
-
-sanitize_jax
+# XLA_EXT_DEBUG_CHECKS=1: no valid call of the kernel tests is refused, their bad-data cases
+# now expect the Host handler's errors, and tests/gpu/debug_checks_test.py checks the errors,
+# the caches and the next call on both paths; then that file again with the checks off.
+step "XLA_EXT_DEBUG_CHECKS=1: tests/kernels, tests/gpu/torch_cuda_test.py, tests/gpu/debug_checks_test.py"
+XLA_EXT_DEBUG_CHECKS=1 XLA_EXT_TEST_PLATFORM=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false "${PYTEST[@]}" \
+  tests/kernels tests/gpu/torch_cuda_test.py tests/gpu/debug_checks_test.py 2>&1 | tail -3 | \
+  tee -a "$TESTS" || status=1
+step "debug checks off: tests/gpu/debug_checks_test.py"
+XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/gpu/debug_checks_test.py 2>&1 | tail -3 | \
+  tee -a "$TESTS" || status=1
 
 step "our CUDA handlers registered into JAX's CUDA PJRT plugin through its FFI extension"
 python3 tests/gpu/plugin_registration.py > "$OUT/$GPU-plugin.txt" 2>&1 || status=1

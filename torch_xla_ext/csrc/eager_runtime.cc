@@ -15,13 +15,6 @@
 
 extern "C" {
 
-typedef struct XlaExtEagerBuffer {
-  int32_t dtype;  // XLA_FFI_DataType
-  void* data;
-  int64_t rank;
-  const int64_t* dims;
-} XlaExtEagerBuffer;
-
 // A scalar attribute (dtype is an XLA_FFI_DataType, value points at it) or, with dtype -1,
 // a string of `size` bytes.
 typedef struct XlaExtEagerAttr {
@@ -159,12 +152,17 @@ void* HostAlloc(void*, size_t size, size_t alignment) {
 
 void HostFree(void*, void* data, size_t) { std::free(data); }
 
-std::vector<XLA_FFI_Buffer> Buffers(int count, const XlaExtEagerBuffer* buffers) {
+// Buffers packed as one int64 array, each as: XLA_FFI_DataType, data address, rank, dims
+// (one allocation for the caller per call, however many buffers). The dims stay in `packed`.
+std::vector<XLA_FFI_Buffer> Buffers(int count, const int64_t*& packed) {
   std::vector<XLA_FFI_Buffer> out(count);
   for (int i = 0; i < count; ++i) {
+    const int64_t rank = packed[2];
     out[i] = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
-                            static_cast<XLA_FFI_DataType>(buffers[i].dtype), buffers[i].data,
-                            buffers[i].rank, const_cast<int64_t*>(buffers[i].dims)};
+                            static_cast<XLA_FFI_DataType>(packed[0]),
+                            reinterpret_cast<void*>(static_cast<intptr_t>(packed[1])), rank,
+                            const_cast<int64_t*>(packed + 3)};
+    packed += 3 + rank;
   }
   return out;
 }
@@ -178,14 +176,13 @@ extern "C" {
 // be sorted by name, as XLA passes them. Returns 0, or -1 with the handler's message in `err`.
 __attribute__((visibility("default"))) int xla_ext_eager_call(
     XLA_FFI_Handler* handler, void* stream, int32_t device_ordinal, int32_t num_args,
-    const XlaExtEagerBuffer* args, int32_t num_rets, const XlaExtEagerBuffer* rets,
-    int32_t num_attrs, const XlaExtEagerAttr* attrs, XlaExtAllocFn alloc, XlaExtFreeFn free,
+    int32_t num_rets, const int64_t* buffers, int32_t num_attrs, const XlaExtEagerAttr* attrs, XlaExtAllocFn alloc, XlaExtFreeFn free,
     void* alloc_user, char* err, size_t err_size) {
   XLA_FFI_ExecutionContext ctx{stream, device_ordinal, alloc ? alloc : HostAlloc,
                                free ? free : HostFree, alloc_user};
 
-  std::vector<XLA_FFI_Buffer> arg_buffers = Buffers(num_args, args);
-  std::vector<XLA_FFI_Buffer> ret_buffers = Buffers(num_rets, rets);
+  std::vector<XLA_FFI_Buffer> arg_buffers = Buffers(num_args, buffers);
+  std::vector<XLA_FFI_Buffer> ret_buffers = Buffers(num_rets, buffers);
   std::vector<XLA_FFI_ArgType> arg_types(num_args, XLA_FFI_ArgType_BUFFER);
   std::vector<XLA_FFI_RetType> ret_types(num_rets, XLA_FFI_RetType_BUFFER);
   std::vector<void*> arg_ptrs(num_args), ret_ptrs(num_rets);

@@ -1,0 +1,233 @@
+"""Paged decode attention on the batches a serving system sees, not only uniform ones.
+
+    python bench/decode_mixes_bench.py --out bench/results/h100-decode-mixes.json [--flashinfer]
+
+One process, bf16, D=128, block 16, H=32/KVH=8 unless the mix says otherwise (tensor-parallel
+shards of that model have fewer heads per GPU). Each mix (MIXES) is timed as:
+  xla_ext          ours inside an XLA GPU graph (JAX; decode_bench.jax_seconds: the difference
+                   of a 40-call and a 20-call chain, so the executable's launch cancels);
+  torch_graph      ours through torch.ops.xla_ext.paged_attention on CUDA tensors, CUDA-graph
+                   replay of 20 calls (GPU time per call);
+  torch_eager      the same 20 calls launched eagerly (CUDA events), and host_us: the host's
+                   time per eager call (submission only, the GPU runs behind it);
+  uniform_xla_ext  ours through XLA on the uniform batch with the same number of sequences and
+                   the same total tokens (the target: no mix slower than 1.15x of it);
+  flashinfer_cuda_core, flashinfer_tensor_core   FlashInfer 0.2.14's BatchDecodeWithPagedKV-
+                   CacheWrapper (use_tensor_cores False / True) on the very same NHD caches and
+                   block ids, CUDA-graph replay of 20 calls (--flashinfer; see
+                   tools/device/flashinfer_tree.sh).
+Each row: time per call, GB/s of the K and V bytes the batch reads, % of the copy bandwidth
+measured in this run. Outputs of ours (torch), ours (XLA) and FlashInfer are compared.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_bench  # noqa: E402
+
+import torch_xla_ext  # noqa: E402,F401  (registers torch.ops.xla_ext.*)
+from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
+from torch_xla_ext import sample_inputs  # noqa: E402
+
+D, BLOCK = 128, 16
+CHAIN = 20
+
+
+def _pareto(n, low, high, alpha, seed):
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.clip(low * (1 + rng.pareto(alpha, n)), low, high)]
+
+
+def _uniform(n, low, high, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(low, high + 1, n)]
+
+
+# name: (sequence lengths, query heads, kv heads)
+MIXES = {
+    "uniform 32 x 4096": ([4096] * 32, 32, 8),
+    "1 x 32768 + 31 x 256": ([32768] + [256] * 31, 32, 8),
+    "2 x 65536 + 62 x 512": ([65536] * 2 + [512] * 62, 32, 8),
+    "long tail: 64, Pareto(1.2) from 64 to 32768": (_pareto(64, 64, 32768, 1.2, 0), 32, 8),
+    "bimodal 16 x 8192 + 48 x 128": ([8192] * 16 + [128] * 48, 32, 8),
+    "128 uniform in [1, 4096]": (_uniform(128, 1, 4096, 1), 32, 8),
+    "many very short: 256 x 32": ([32] * 256, 32, 8),
+    "length 1 beside long: 64 x 1 + 16 x 4096": ([1] * 64 + [4096] * 16, 32, 8),
+    "1 x 131072 alone": ([131072], 32, 8),
+    "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256": ([32768] + [256] * 31, 16, 4),
+    "TP=8 shard (H=4, KVH=1): long tail 64": (_pareto(64, 64, 32768, 1.2, 0), 4, 1),
+}
+
+
+def kv_bytes(lengths, kv_heads):
+    return 2 * sum(lengths) * kv_heads * D * 2
+
+
+def uniform_like(lengths):
+    """Same number of sequences, same total tokens, lengths as equal as can be."""
+    n, total = len(lengths), sum(lengths)
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+def xla_seconds(data, reps):
+    scale = D ** -0.5
+    args = decode_bench.jax_args(data)
+
+    def chain(length):
+        @jax.jit
+        def run(*state):
+            for _ in range(length):
+                state = jax.lax.optimization_barrier(state)
+                state = (xla_ext_jax.paged_attention(*state[:5], scale=scale),) + state[1:]
+            return state[0]
+        return run
+
+    out = jax.jit(lambda *a: xla_ext_jax.paged_attention(*a, scale=scale))(*args)
+    return decode_bench.jax_seconds(chain, args, reps), np.asarray(out.astype(jnp.float32))
+
+
+def graph_seconds(fn, reps):
+    """GPU time per call: CUDA-graph replay of CHAIN calls of fn."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CHAIN):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / CHAIN
+
+
+def eager_seconds(fn, reps):
+    """(GPU time per call of CHAIN eager launches, host time per call)."""
+    fn()
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(CHAIN):
+            fn()
+        host.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(gpu) / CHAIN, statistics.median(host) / CHAIN
+
+
+def flashinfer_wrappers(data, heads, kv_heads):
+    import flashinfer
+
+    lengths = data["seq_lens"].long()
+    pages = (lengths + BLOCK - 1) // BLOCK
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = torch.cumsum(pages, 0).int()
+    indices = torch.cat([data["block_tables"][i, :int(p)] for i, p in enumerate(pages.tolist())])
+    last_page_len = (lengths - (pages - 1) * BLOCK).int()
+    wrappers = {}
+    for name, tensor_cores in (("flashinfer_cuda_core", False), ("flashinfer_tensor_core", True)):
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=tensor_cores)
+        wrapper.plan(indptr, indices.int(), last_page_len, heads, kv_heads, D, BLOCK,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        wrappers[name] = (wrapper, workspace)
+    return wrappers
+
+
+def row(mix, impl, seconds, nbytes, copy, **extra):
+    gbps = nbytes / seconds / 1e9
+    return {"op": "paged_attention", "shape": mix, "impl": impl,
+            "time_us": round(seconds * 1e6, 2), "gbps": round(gbps, 1),
+            "pct_of_copy": round(100 * gbps / copy, 1)} | extra
+
+
+def mix_rows(mix, lengths, heads, kv_heads, reps, copy, with_flashinfer):
+    nbytes = kv_bytes(lengths, kv_heads)
+    data = sample_inputs.paged_attention(lengths, heads, kv_heads, D, BLOCK, torch.bfloat16,
+                                         device="cuda")
+    meta = {"num_seqs": len(lengths), "total_tokens": sum(lengths), "max_len": max(lengths),
+            "heads": heads, "kv_heads": kv_heads, "kv_mb": round(nbytes / 1e6, 1)}
+    rows = []
+    seconds, xla_out = xla_seconds(data, reps)
+    rows.append(row(mix, "xla_ext", seconds, nbytes, copy, **meta))
+
+    args = (data["query"], data["key_cache"], data["value_cache"], data["block_tables"],
+            data["seq_lens"], D ** -0.5)
+    call = lambda: torch.ops.xla_ext.paged_attention(*args)  # noqa: E731
+    torch_out = call().float()
+    diff_xla = float((torch_out.cpu() - torch.from_numpy(xla_out)).abs().max())
+    rows.append(row(mix, "torch_graph", graph_seconds(call, reps), nbytes, copy,
+                    max_abs_diff_vs_xla_ext=diff_xla))
+    gpu, host = eager_seconds(call, reps)
+    rows.append(row(mix, "torch_eager", gpu, nbytes, copy, host_us=round(host * 1e6, 2)))
+
+    if with_flashinfer:
+        for name, (wrapper, _) in flashinfer_wrappers(data, heads, kv_heads).items():
+            q, k, v = data["query"], data["key_cache"], data["value_cache"]
+            run = lambda w=wrapper: w.run(q, (k, v))  # noqa: E731
+            diff = float((run().float() - torch_out).abs().max())
+            rows.append(row(mix, name, graph_seconds(run, reps), nbytes, copy,
+                            max_abs_diff_vs_ours=diff))
+    del data, args
+    uniform = uniform_like(lengths)
+    data = sample_inputs.paged_attention(uniform, heads, kv_heads, D, BLOCK, torch.bfloat16,
+                                         device="cuda")
+    seconds, _ = xla_seconds(data, reps)
+    rows.append(row(mix, "uniform_xla_ext", seconds, nbytes, copy, lengths=uniform[0]))
+    del data
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--flashinfer", action="store_true")
+    parser.add_argument("--only", help="run only mixes whose name contains this")
+    args = parser.parse_args()
+    copy = decode_bench.copy_gbps(args.reps)
+    result = {"copy_gbps": round(copy, 1), "device": torch.cuda.get_device_name(),
+              "block_size": BLOCK, "head_size": D, "dtype": "bfloat16", "rows": []}
+    for mix, (lengths, heads, kv_heads) in MIXES.items():
+        if args.only and args.only not in mix:
+            continue
+        try:
+            rows = mix_rows(mix, lengths, heads, kv_heads, args.reps, copy, args.flashinfer)
+        except Exception as e:  # a failing row is reported, and the others still run
+            rows = [{"op": "paged_attention", "shape": mix, "error": repr(e)[:300]}]
+        result["rows"] += rows
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

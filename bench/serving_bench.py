@@ -1,0 +1,265 @@
+"""The serving loop on a GPU: decode throughput and time per step of a 1B-class Llama (random
+bf16 weights, transformers' LlamaForCausalLM) at batch 1, 16 and 64 with 2k-token contexts, and
+a mixed prefill + decode workload; against the same model in torch eager with transformers
+(sdpa, static cache) and torch.compile of it (if it compiles); and the share of our custom
+calls in the GPU time of a step (torch.profiler's CUPTI trace, which also records the kernels
+JAX launches in this process).
+
+    python bench/serving_bench.py --out bench/results/h100-serving.json            # the GPU run
+    python bench/serving_bench.py --config tiny --device cpu --batches 1,4 --context 64 \\
+        --no-torch-compile --out /tmp/serving.json                                # a CPU smoke run
+
+Ours: torch_xla_ext.serving.Engine through torchax (each step one jax.jit executable, caches
+donated), page size 16, max_num_seqs 64, up to 8192 tokens per step while prefilling. A decode
+row: B requests with CONTEXT-token random prompts are prefilled, then WARMUP decode steps, then
+STEPS timed engine.step() calls, each one whole serving step (scheduling, packing, the step on
+the GPU, the token ids back); tokens/s = B / time per step. The mixed row: 48 sequences decode
+at a 2k context while 16 new 2k-token prompts are prefilled in chunks under a 512-token budget
+(each timed step runs 48 decodes and a 464-token chunk). transformers: the same weights,
+prefilled in one call (logits of the last position only), then STEPS decode calls of
+model(...) with a StaticCache and greedy argmax, timed the same way; it has no continuous
+batching, so it has no mixed row.
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+
+from torch_xla_ext.serving import Engine, hf  # noqa: E402
+
+MIXED_DECODES, MIXED_PREFILLS, MIXED_BUDGET = 48, 16, 512
+
+
+def _prompts(batch, context, vocab_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, context), generator=g).tolist()
+
+
+def _run_prefill(engine):
+    """Steps until every running sequence has its prompt in the cache; returns seconds."""
+    start = time.perf_counter()
+    while engine.scheduler.waiting or any(s.num_computed < len(s.prompt)
+                                          for s in engine.scheduler.running):
+        engine.step()
+    return time.perf_counter() - start
+
+
+def _timed_steps(engine, args):
+    """args.warmup steps, then args.steps timed ones: (their outputs, seconds per step)."""
+    for _ in range(args.warmup):
+        engine.step()
+    start = time.perf_counter()
+    outs = [engine.step() for _ in range(args.steps)]
+    return outs, (time.perf_counter() - start) / args.steps
+
+
+def ours_decode(engine, batch, args, profile_steps):
+    """A decode row; then, when profile_steps, a profile of that many more decode steps."""
+    for prompt in _prompts(batch, args.context, engine.shape.vocab_size, seed=batch):
+        engine.add_request(prompt, max_new_tokens=1 + args.warmup + args.steps + profile_steps)
+    prefill_s = _run_prefill(engine)
+    outs, seconds = _timed_steps(engine, args)
+    assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs)
+    profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
+    assert not engine.has_unfinished()  # the last step finished every sequence
+    return {"op": "serving_decode", "impl": "xla_ext_torchax", "batch": batch,
+            "shape": f"B={batch},context={args.context}", "time_per_step_ms": seconds * 1e3,
+            "tokens_per_s": batch / seconds, "bucket": outs[0].bucket,
+            "prefill_s": round(prefill_s, 3)}, profile
+
+
+def ours_mixed(engine, args, profile_steps):
+    """48 decodes beside chunks of 16 new prompts; returns (row, profile of profile_steps more
+    steps or None). Leaves the engine's sequences unfinished (the engine is dropped after)."""
+    for prompt in _prompts(MIXED_DECODES, args.context, engine.shape.vocab_size, seed=101):
+        engine.add_request(prompt, max_new_tokens=10_000 // MIXED_DECODES)
+    _run_prefill(engine)
+    engine.scheduler.max_num_batched_tokens = MIXED_BUDGET
+    for prompt in _prompts(MIXED_PREFILLS, args.context, engine.shape.vocab_size, seed=102):
+        engine.add_request(prompt, max_new_tokens=1)
+    outs, seconds = _timed_steps(engine, args)
+    assert all(o.num_prefill_tokens > 0 and o.num_tokens - o.num_prefill_tokens >= MIXED_DECODES
+               for o in outs), [(o.num_tokens, o.num_prefill_tokens) for o in outs]
+    profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
+    tokens = sum(o.num_tokens for o in outs) / args.steps
+    prefill = sum(o.num_prefill_tokens for o in outs) / args.steps
+    row = {"op": "serving_mixed", "impl": "xla_ext_torchax",
+           "shape": f"{MIXED_DECODES} decodes at context {args.context} + chunks of "
+                    f"{MIXED_PREFILLS} new {args.context}-token prompts, budget {MIXED_BUDGET}",
+           "time_per_step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+           "decode_tokens_per_s": (tokens - prefill) / seconds,
+           "prefill_tokens_per_s": prefill / seconds, "bucket": outs[0].bucket}
+    return row, profile
+
+
+def gpu_profile(step, num_steps):
+    """GPU time of num_steps calls of step() by kernel, and our custom calls' share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            step()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6 / num_steps
+    kernels = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / num_steps
+    gpu_us = sum(kernels.values())
+    ours = {n: t for n, t in kernels.items() if "xla_ext" in n}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"steps": num_steps, "wall_us_per_step": round(wall_us, 1),
+            "gpu_us_per_step": round(gpu_us, 1),
+            "custom_call_us_per_step": round(sum(ours.values()), 1),
+            "custom_call_share_of_gpu_time": round(sum(ours.values()) / gpu_us, 4),
+            "custom_call_share_of_step_time": round(sum(ours.values()) / wall_us, 4),
+            "custom_call_kernels_us": {n[:120]: round(t, 1) for n, t in ours.items()},
+            "top_kernels_us": {n[:120]: round(t, 1) for n, t in top}}
+
+
+def hf_decode(model, batch, args, compiled):
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    ids = torch.tensor(_prompts(batch, args.context, model.config.vocab_size, seed=batch),
+                       device=device)
+    cache = StaticCache(config=model.config, max_cache_len=args.context + args.warmup
+                        + args.steps + 1)
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) \
+        if compiled else model.forward
+    with torch.no_grad():
+        start = time.perf_counter()
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                       cache_position=torch.arange(args.context, device=device)).logits
+        token = logits[:, -1].argmax(-1)
+        _sync(device)
+        prefill_s = time.perf_counter() - start
+
+        def step(position):
+            out = forward(input_ids=token[:, None], past_key_values=cache, use_cache=True,
+                          cache_position=torch.tensor([position], device=device))
+            return out.logits[:, -1].argmax(-1)
+
+        position = args.context
+        compile_start = time.perf_counter()
+        for _ in range(args.warmup):
+            token = step(position)
+            position += 1
+        _sync(device)
+        warmup_s = time.perf_counter() - compile_start
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            token = step(position).clone()  # a CUDA-graph output is overwritten by the next replay
+            position += 1
+        _sync(device)
+        seconds = (time.perf_counter() - start) / args.steps
+    impl = "hf_compile_reduce_overhead" if compiled else "hf_eager_sdpa_static_cache"
+    return {"op": "serving_decode", "impl": impl, "batch": batch,
+            "shape": f"B={batch},context={args.context}", "time_per_step_ms": seconds * 1e3,
+            "tokens_per_s": batch / seconds, "prefill_s": round(prefill_s, 3),
+            "warmup_s": round(warmup_s, 1)}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", choices=["1b", "tiny"], default="1b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-batched-tokens", type=int, default=8192)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-deadline-s", type=float, default=200.0,
+                        help="start no torch.compile row after this many seconds of the run")
+    args = parser.parse_args()
+    run_start = time.perf_counter()
+    batches = [int(b) for b in args.batches.split(",")]
+    config = {"1b": hf.LLAMA_1B, "tiny": hf.TINY}[args.config]
+
+    t0 = time.perf_counter()
+    model = hf.random_model(config, args.seed, torch.bfloat16, args.device)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
+          f"made in {time.perf_counter() - t0:.1f} s", flush=True)
+    result = {"machine": platform.node(), "model": args.config, "dtype": "bfloat16",
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+              "context": args.context, "steps": args.steps, "rows": [], "errors": []}
+
+    def save():  # after every row: a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    def record(row):
+        result["rows"].append(row)
+        save()
+        print(f"{row['op']:15} {row['impl']:28} {row['shape']:24.24} "
+              f"{row['time_per_step_ms']:9.2f} ms/step {row['tokens_per_s']:10.0f} tokens/s",
+              flush=True)
+
+    t0 = time.perf_counter()
+    engine = Engine(model, backend="torchax", dtype=torch.bfloat16, page_size=16,
+                    max_num_seqs=max(max(batches), MIXED_DECODES + MIXED_PREFILLS),
+                    max_num_batched_tokens=args.max_batched_tokens,
+                    max_model_len=args.context + 10_000 // MIXED_DECODES + 8)
+    print(f"engine: {engine.num_pages} pages, buckets {engine.buckets}, made in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    profiled = args.profile_steps if args.device == "cuda" else 0
+    for batch in batches:
+        row, profile = ours_decode(engine, batch, args, profiled if batch == max(batches) else 0)
+        record(row)
+        if profile:
+            result["profile_decode"] = dict(profile, shape=row["shape"])
+    row, profile = ours_mixed(engine, args, profiled)
+    record(row)
+    if profile:
+        result["profile_mixed"] = dict(profile, shape=row["shape"])
+    result["compiled_buckets"] = sorted(engine.buckets_used)
+    result["engine_s"] = round(time.perf_counter() - t0, 1)
+    del engine
+
+    for compiled in ([False, True] if args.torch_compile else [False]):
+        for batch in batches:
+            if compiled and time.perf_counter() - run_start > args.compile_deadline_s:
+                result["errors"].append({"impl": "hf_compile", "batch": batch, "error":
+                                         f"not run: past --compile-deadline-s "
+                                         f"{args.compile_deadline_s:.0f} s of the run"})
+                continue
+            try:
+                record(hf_decode(model, batch, args, compiled))
+            except Exception as e:  # noqa: BLE001  (torch.compile may not handle this model)
+                traceback.print_exc()
+                result["errors"].append({"impl": "hf_compile" if compiled else "hf_eager",
+                                         "batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]})
+                break
+    for row in result["rows"]:
+        for key in ("time_per_step_ms", "tokens_per_s", "decode_tokens_per_s",
+                    "prefill_tokens_per_s"):
+            if key in row:
+                row[key] = round(row[key], 3 if key == "time_per_step_ms" else 1)
+    ours = {r["batch"]: r for r in result["rows"] if r["impl"] == "xla_ext_torchax" and "batch" in r}
+    for r in result["rows"]:
+        if r["impl"] != "xla_ext_torchax" and r.get("batch") in ours:
+            r["ours_speedup"] = round(ours[r["batch"]]["tokens_per_s"] / r["tokens_per_s"], 3)
+    save()
+    print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

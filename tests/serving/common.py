@@ -1,0 +1,17 @@
+"""The workload the serving tests share: prompts of different lengths arriving at different
+steps, and an engine small enough that not all of them fit in the cache at once."""
+
+import torch
+
+# Lengths chosen to cross page (16) and budget (32) boundaries; arrivals spread over 6 steps.
+PROMPT_LENS = [5, 17, 40, 9, 23, 3]
+ARRIVALS = [0, 0, 1, 3, 3, 6]
+MAX_NEW_TOKENS = 10
+# 8 pages of 16 tokens: the requests need 12 at once, so pages must be freed and reused.
+ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=16, max_model_len=128,
+                   num_pages=8)
+
+
+def prompts(vocab_size, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]

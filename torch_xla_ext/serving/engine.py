@@ -1,0 +1,153 @@
+"""The serving loop: requests in, one model step per `step()`, tokens out.
+
+    engine = Engine(hf_llama_model, backend="torch_xla", max_num_seqs=8,
+                    max_num_batched_tokens=256)
+    engine.add_request([1, 2, 3], max_new_tokens=16)      # at any step
+    while engine.has_unfinished():
+        out = engine.step()                                # out.new_tokens: {seq_id: token}
+
+A step: the scheduler picks this step's chunks (scheduler.py), the host packs them into one int32
+buffer padded to a token bucket (batch.py), the backend runs the model step on it as one XLA
+graph (backends.py, llama.py), and the sampled tokens go back to the scheduler, which finishes
+sequences and frees their pages.
+
+Compiles: one per token bucket a step uses (buckets: batch.token_buckets, e.g. 16, 32, 64, 128,
+256 for max_num_batched_tokens=256), whatever the requests, since max_num_seqs and
+pages_per_seq are fixed.
+"""
+
+import dataclasses
+import time
+from typing import Optional
+
+import numpy as np
+
+from torch_xla_ext.errors import TorchXlaExtError
+from torch_xla_ext.serving import backends, batch, llama
+from torch_xla_ext.serving.blocks import BlockAllocator
+from torch_xla_ext.serving.scheduler import Scheduler, Sequence
+
+
+@dataclasses.dataclass
+class StepOutput:
+    step: int  # 0 for the first step
+    num_seqs: int
+    num_tokens: int  # tokens run (prefill chunks and decodes), before padding
+    num_prefill_tokens: int
+    bucket: int  # the padded token count the step ran at
+    first_use_of_bucket: bool  # the step compiled (or loaded) its graph
+    seconds: float  # wall time of the step: scheduling, the step on the device, read-back
+    new_tokens: dict  # seq_id -> the token generated for it in this step
+    finished: dict  # seq_id -> all its generated tokens, for those that finished
+    logits: Optional[dict] = None  # seq_id -> float32 logits of the new token (with_logits)
+
+
+class Engine:
+    def __init__(self, model, *, backend="torch_xla", dtype=None, page_size=16, num_pages=None,
+                 max_num_seqs=8, max_num_batched_tokens=256, max_model_len=None,
+                 smallest_bucket=16, with_logits=False):
+        """`model`: a transformers LlamaForCausalLM (its weights are copied to the device in
+        `dtype`, default the model's). num_pages: default enough for max_num_seqs sequences of
+        max_model_len tokens (default config.max_position_embeddings). with_logits: also
+        return each new token's logits (StepOutput.logits), for comparisons."""
+        if backend not in backends.BACKENDS:
+            raise TorchXlaExtError(f"Engine: argument 'backend': expected one of "
+                                   f"{sorted(backends.BACKENDS)}, got {backend!r}")
+        max_model_len = max_model_len or model.config.max_position_embeddings
+        self.shape, host_weights = llama.weights_from_hf(model, dtype, max_model_len)
+        self.page_size = page_size
+        pages_per_seq = -(-max_model_len // page_size)
+        self.num_pages = num_pages or max_num_seqs * pages_per_seq
+        self.max_num_seqs = max_num_seqs
+        self.pages_per_seq = pages_per_seq
+        self.buckets = batch.token_buckets(max_num_batched_tokens, smallest_bucket)
+        self.with_logits = with_logits
+        self.allocator = BlockAllocator(self.num_pages, page_size)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
+                                   max_model_len)
+        self.backend = backends.BACKENDS[backend]()
+        cache_shape = (self.num_pages, page_size, 2 * self.shape.num_kv_heads,
+                       self.shape.head_dim)
+        self.weights, self.caches = self.backend.put(
+            host_weights, [cache_shape] * self.shape.num_layers, host_weights["embed"].dtype)
+        self.buckets_used = set()
+        self._steps = 0
+        self._next_id = 0
+
+    def add_request(self, prompt, max_new_tokens, eos_token_id=None):
+        """Queues a request (prompt: token ids); returns its sequence id."""
+        prompt = [int(t) for t in prompt]
+        bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
+        if bad:
+            raise TorchXlaExtError(f"add_request: argument 'prompt': expected token ids in "
+                                   f"[0, vocab_size = {self.shape.vocab_size}), got {bad[0]}")
+        seq = Sequence(self._next_id, prompt, max_new_tokens, eos_token_id)
+        self.scheduler.add(seq)
+        self._next_id += 1
+        return seq.seq_id
+
+    def has_unfinished(self):
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_steps(self):
+        """Steps so far, counting those generate() waited through for arrivals."""
+        return self._steps
+
+    def step(self):
+        """Runs one step; returns what it did (StepOutput)."""
+        start = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            raise TorchXlaExtError("Engine.step: nothing to run; add a request first")
+        num_tokens = sum(c.num_tokens for c in chunks)
+        bucket = batch.pick_bucket(self.buckets, num_tokens)
+        layout = batch.StepLayout(bucket, self.max_num_seqs, self.pages_per_seq)
+        packed = batch.build(chunks, [self.allocator.table(c.seq.seq_id) for c in chunks],
+                             layout, self.page_size, self.num_pages)
+        outputs, self.caches = self.backend.run(self.shape, layout, self.with_logits,
+                                                self.weights, self.caches, packed)
+        token_ids = outputs[0][:len(chunks)]
+        sampled = [(c.seq.seq_id, i) for i, c in enumerate(chunks) if c.samples]
+        finished = self.scheduler.update(chunks, token_ids)
+        first_use = bucket not in self.buckets_used
+        self.buckets_used.add(bucket)
+        out = StepOutput(
+            step=self._steps, num_seqs=len(chunks), num_tokens=num_tokens,
+            num_prefill_tokens=sum(c.num_tokens for c in chunks
+                                   if c.start < len(c.seq.prompt)),
+            bucket=bucket, first_use_of_bucket=first_use,
+            seconds=time.perf_counter() - start,
+            new_tokens={seq_id: int(token_ids[i]) for seq_id, i in sampled},
+            finished={s.seq_id: list(s.output) for s in finished},
+            logits={seq_id: outputs[1][i] for seq_id, i in sampled} if self.with_logits
+            else None)
+        self._steps += 1
+        return out
+
+    def generate(self, prompts, max_new_tokens, arrival_steps=None, eos_token_id=None,
+                 on_step=None):
+        """Runs prompts[i] (token ids), added at step arrival_steps[i] (default: all at once),
+        to completion. Returns the generated tokens of each prompt, in order; on_step(out) is
+        called after every step."""
+        arrival_steps = arrival_steps or [0] * len(prompts)
+        if len(arrival_steps) != len(prompts):
+            raise TorchXlaExtError(f"generate: argument 'arrival_steps': expected one step per "
+                                   f"prompt ({len(prompts)}), got {len(arrival_steps)}")
+        order = list(np.argsort(arrival_steps, kind="stable"))
+        ids, outputs = {}, {}
+        first_step = self._steps
+        while order or self.has_unfinished():
+            while order and arrival_steps[order[0]] <= self._steps - first_step:
+                i = order.pop(0)
+                ids[self.add_request(prompts[i], max_new_tokens, eos_token_id)] = i
+            if not self.has_unfinished():  # nothing has arrived yet: an idle step
+                self._steps += 1
+                continue
+            out = self.step()
+            for seq_id, token in out.new_tokens.items():
+                if seq_id in ids:  # not a request added outside this call
+                    outputs.setdefault(ids[seq_id], []).append(token)
+            if on_step:
+                on_step(out)
+        return [outputs[i] for i in range(len(prompts))]

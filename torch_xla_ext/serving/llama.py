@@ -1,0 +1,152 @@
+"""A Llama-architecture model's step over a ragged batch (RMSNorm, rotary embeddings, grouped-
+query attention, SwiGLU), written in plain torch over our ops, so that one function runs under
+torch_xla (lazy tensors: one XLA graph per step) and under torchax (a jax.jit function).
+
+Weights come from a `transformers` LlamaForCausalLM (`weights_from_hf`); q/k/v and gate/up
+projections are concatenated so that a layer runs three matmuls, not seven. Each layer writes
+this step's K/V into its paged cache with torch.ops.xla_ext.kv_cache_update (in place) and
+attends with torch.ops.xla_ext.ragged_paged_attention; the step ends with greedy sampling
+(argmax) of each sequence's last row, so only token ids leave the device.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from torch_xla_ext.errors import TorchXlaExtError
+
+# Rotary types whose frequencies change with the sequence length (transformers'
+# dynamic_rope_update): the step's table is computed once, so these are refused.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """The sizes a step is traced with (hashable: a jit's static argument)."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+
+    @property
+    def sm_scale(self):
+        return self.head_dim ** -0.5
+
+
+def weights_from_hf(model, dtype=None, max_model_len=None):
+    """(LlamaShape, weights): the weights of a transformers LlamaForCausalLM as a nested dict of
+    CPU tensors in `dtype` (default: the model's), with rotary cos/sin tables for positions
+    0 ... max_model_len - 1 (default: config.max_position_embeddings), computed as transformers
+    computes them (float32, then scaled and cast)."""
+    config = model.config
+    if getattr(config, "model_type", None) != "llama":
+        raise TorchXlaExtError(f"weights_from_hf: argument 'model': expected a Llama model "
+                               f"(config.model_type 'llama'), got {config.model_type!r}")
+    if config.hidden_act != "silu":
+        raise TorchXlaExtError(f"weights_from_hf: config.hidden_act: expected 'silu' (SwiGLU), "
+                               f"got {config.hidden_act!r}")
+    rotary = model.model.rotary_emb
+    if rotary.rope_type in _LENGTH_DEPENDENT_ROPE:
+        raise TorchXlaExtError(f"weights_from_hf: rope type {rotary.rope_type!r} changes with "
+                               "the sequence length and is not supported; supported: every "
+                               "other transformers rope type (default, linear, llama3, yarn, ...)")
+    dtype = dtype or model.dtype
+    max_model_len = max_model_len or config.max_position_embeddings
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = LlamaShape(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                       num_heads=config.num_attention_heads,
+                       num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+                       vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps))
+
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+
+    def get(name):
+        return state[name].to(dtype).contiguous()
+
+    def cat(*names):
+        return torch.cat([get(n) for n in names]).contiguous()
+
+    def bias(*names):
+        return cat(*names) if all(n in state for n in names) else None
+
+    layers = []
+    for i in range(shape.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = [attn + p + "_proj.weight" for p in "qkv"]
+        layers.append({
+            "input_norm": get(f"model.layers.{i}.input_layernorm.weight"),
+            "qkv": cat(*qkv),
+            "qkv_bias": bias(*[n.replace("weight", "bias") for n in qkv]),
+            "o": get(attn + "o_proj.weight"),
+            "o_bias": bias(attn + "o_proj.bias"),
+            "post_norm": get(f"model.layers.{i}.post_attention_layernorm.weight"),
+            "gate_up": cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            "gate_up_bias": bias(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
+            "down": get(mlp + "down_proj.weight"),
+            "down_bias": bias(mlp + "down_proj.bias"),
+        })
+    # As transformers' LlamaRotaryEmbedding: angles position * inv_freq in float32, repeated
+    # for both halves, cos/sin scaled by attention_scaling, then cast to the model's dtype.
+    angles = torch.outer(torch.arange(max_model_len, dtype=torch.float32),
+                         rotary.inv_freq.detach().float().cpu())
+    angles = torch.cat([angles, angles], dim=-1)
+    weights = {
+        "embed": get("model.embed_tokens.weight"),
+        "rope_cos": (angles.cos() * rotary.attention_scaling).to(dtype),
+        "rope_sin": (angles.sin() * rotary.attention_scaling).to(dtype),
+        "layers": layers,
+        "norm": get("model.norm.weight"),
+    }
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    if not tied:  # a tied head is the embedding itself: one copy on the device
+        weights["lm_head"] = get("lm_head.weight")
+    return shape, weights
+
+
+def _rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm: normalised in float32, cast back, then scaled."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x, cos, sin):
+    """Rotary embedding of x [tokens, heads, head_dim] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def forward(shape, layout, with_logits, weights, caches, packed):
+    """One step: the batch `packed` (batch.StepLayout `layout`) through every layer, each
+    writing its K/V into caches[layer] in place. Returns ((token ids [max_num_seqs] int32, the
+    greedy pick for each sequence's last row in this step) + (logits [max_num_seqs, vocab] when
+    with_logits), caches)."""
+    inputs = layout.unpack(packed)
+    t, h, kvh, d = layout.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    positions = inputs["positions"]
+    cos, sin = weights["rope_cos"][positions], weights["rope_sin"][positions]
+    x = F.embedding(inputs["token_ids"], weights["embed"])
+    for layer, cache in zip(weights["layers"], caches):
+        qkv = F.linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
+                       layer["qkv_bias"])
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q = _rotate(q.reshape(t, h, d), cos, sin)
+        k = _rotate(k.reshape(t, kvh, d), cos, sin)
+        torch.ops.xla_ext.kv_cache_update(k, v.reshape(t, kvh, d), cache,
+                                          inputs["slot_mapping"])
+        attn = torch.ops.xla_ext.ragged_paged_attention(
+            q, cache, inputs["kv_lens"], inputs["page_indices"], inputs["cu_q_lens"],
+            inputs["num_seqs"], sm_scale=shape.sm_scale)
+        x = x + F.linear(attn.reshape(t, h * d), layer["o"], layer["o_bias"])
+        gate, up = F.linear(_rms_norm(x, layer["post_norm"], shape.rms_norm_eps),
+                            layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, layer["down"], layer["down_bias"])
+    last = _rms_norm(x[inputs["sample_rows"]], weights["norm"], shape.rms_norm_eps)
+    logits = F.linear(last, weights.get("lm_head", weights["embed"]))
+    token_ids = logits.argmax(dim=-1).to(torch.int32)
+    return ((token_ids, logits.float()) if with_logits else (token_ids,)), caches

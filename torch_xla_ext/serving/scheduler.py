@@ -1,0 +1,159 @@
+"""Continuous batching with chunked prefill: which sequences run in a step, and how many of their
+tokens, under a per-step token budget.
+
+Each step, the running sequences come first, in the order they were admitted: a decoding one
+takes 1 token, one still in its prompt takes what is left of it, cut to the budget that remains
+(a chunk). Then waiting requests are admitted in arrival order while the budget, max_num_seqs
+and the cache's pages allow; a long prompt is cut to the budget left and continues in the next
+steps. A step's sampled token counts only for a sequence whose chunk reached its last known
+token (the end of its prompt, or its last generated token).
+
+Pages: a sequence is admitted only when the pages for its longest possible length (prompt +
+max_new_tokens - 1 tokens in the cache: the last generated token is never fed back) are free
+beside those the running sequences may still take. Pages are then taken as tokens arrive, so a
+running sequence never waits for pages and nothing is ever preempted; a finished sequence's
+pages go back to the pool at once.
+"""
+
+import collections
+import dataclasses
+from typing import Optional
+
+from torch_xla_ext.errors import TorchXlaExtError
+
+
+@dataclasses.dataclass
+class Sequence:
+    seq_id: int
+    prompt: list
+    max_new_tokens: int
+    eos_token_id: Optional[int] = None
+    output: list = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: Optional[str] = None  # "length" or "eos"
+
+    @property
+    def num_tokens(self):
+        """Tokens known so far: the prompt and the generated ones."""
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start, end):
+        """Tokens start ... end - 1 of the prompt followed by the generated ones."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
+
+    @property
+    def max_cached_tokens(self):
+        """The most tokens this sequence ever holds in the cache."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """num_tokens tokens of `seq`, from position start, run in this step. `samples`: the chunk
+    reaches the sequence's last known token, so the step's token for it is the next one."""
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+def _chunk(seq, num_tokens):
+    return Chunk(seq, seq.num_computed, num_tokens,
+                 seq.num_computed + num_tokens == seq.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, allocator, max_num_seqs, max_num_batched_tokens, max_model_len):
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise TorchXlaExtError(f"Scheduler: argument '{name}': expected a positive "
+                                       f"integer, got {value!r}")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting = collections.deque()
+        self.running = []
+
+    def add(self, seq):
+        """Queues a new sequence; refuses one that could never run."""
+        if not seq.prompt:
+            raise TorchXlaExtError(f"request {seq.seq_id!r}: argument 'prompt': expected at "
+                                   "least one token, got none")
+        if not isinstance(seq.max_new_tokens, int) or seq.max_new_tokens < 1:
+            raise TorchXlaExtError(f"request {seq.seq_id!r}: argument 'max_new_tokens': expected "
+                                   f"a positive integer, got {seq.max_new_tokens!r}")
+        length = len(seq.prompt) + seq.max_new_tokens
+        if length - 1 > self.max_model_len:
+            raise TorchXlaExtError(
+                f"request {seq.seq_id!r}: prompt ({len(seq.prompt)} tokens) + max_new_tokens "
+                f"({seq.max_new_tokens}) - 1 = {length - 1} tokens exceeds max_model_len = "
+                f"{self.max_model_len}; shorten the request or raise max_model_len")
+        pages = self.allocator.blocks_for(seq.max_cached_tokens)
+        if pages > self.allocator.num_blocks:
+            raise TorchXlaExtError(
+                f"request {seq.seq_id!r} needs {pages} KV-cache pages at its longest, the cache "
+                f"has {self.allocator.num_blocks} in all; give the cache more pages (num_pages)")
+        self.waiting.append(seq)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def _pages_promised(self):
+        """Pages the running sequences may still take."""
+        return sum(self.allocator.blocks_for(s.max_cached_tokens)
+                   - len(self.allocator.table(s.seq_id)) for s in self.running)
+
+    def schedule(self):
+        """This step's chunks; the pages they write are given to their sequences."""
+        budget = self.max_num_batched_tokens
+        chunks = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            chunks.append(_chunk(seq, n))
+            budget -= n
+        free = self.allocator.num_free - self._pages_promised()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            pages = self.allocator.blocks_for(seq.max_cached_tokens)
+            if pages > free:
+                break  # first come, first served: later requests wait behind it
+            self.waiting.popleft()
+            self.running.append(seq)
+            free -= pages
+            n = min(len(seq.prompt), budget)
+            chunks.append(_chunk(seq, n))
+            budget -= n
+        for chunk in chunks:
+            self.allocator.grow(chunk.seq.seq_id, chunk.start + chunk.num_tokens)
+        return chunks
+
+    def update(self, chunks, sampled):
+        """Advances the step's chunks; `sampled[i]` is the token sampled for chunks[i].
+        Returns the sequences that finished; their pages are free again."""
+        finished = []
+        for chunk, token in zip(chunks, sampled):
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            seq.output.append(int(token))
+            if seq.eos_token_id is not None and token == seq.eos_token_id:
+                seq.finish_reason = "eos"
+            elif len(seq.output) == seq.max_new_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                finished.append(seq)
+        for seq in finished:
+            self.running.remove(seq)
+            self.allocator.free(seq.seq_id)
+        return finished
