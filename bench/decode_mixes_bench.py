@@ -38,11 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_bench  # noqa: E402
 
 import torch_xla_ext  # noqa: E402,F401  (registers torch.ops.xla_ext.*)
-from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
 from torch_xla_ext import sample_inputs  # noqa: E402
 
-D, BLOCK = 128, 16
-CHAIN = 20
+D, BLOCK = decode_bench.D, 16
+CHAIN = decode_bench.CHAIN
 
 
 def _pareto(n, low, high, alpha, seed):
@@ -81,20 +80,11 @@ def uniform_like(lengths):
 
 
 def xla_seconds(data, reps):
-    scale = D ** -0.5
+    """Ours through XLA GPU: (seconds per call in a chain, one call's output as float32)."""
     args = decode_bench.jax_args(data)
-
-    def chain(length):
-        @jax.jit
-        def run(*state):
-            for _ in range(length):
-                state = jax.lax.optimization_barrier(state)
-                state = (xla_ext_jax.paged_attention(*state[:5], scale=scale),) + state[1:]
-            return state[0]
-        return run
-
-    out = jax.jit(lambda *a: xla_ext_jax.paged_attention(*a, scale=scale))(*args)
-    return decode_bench.jax_seconds(chain, args, reps), np.asarray(out.astype(jnp.float32))
+    out = jax.jit(lambda *a: decode_bench.ours(*a, D ** -0.5))(*args)
+    seconds = decode_bench.jax_seconds(decode_bench.chained(decode_bench.ours), args, reps)
+    return seconds, np.asarray(out.astype(jnp.float32))
 
 
 def graph_seconds(fn, reps):
