@@ -81,10 +81,6 @@ inline bool IsSupportedPageSize(int64_t page_size) {
   }
 }
 
-inline std::string DTypeString(ffi::DataType dtype) {
-  return dtype == ffi::DataType::F8E4M3FN ? "f8e4m3fn" : DTypeName(dtype);
-}
-
 struct Shapes {
   int64_t num_tokens;  // max_num_batched_tokens
   int64_t num_q_heads;
@@ -156,7 +152,7 @@ inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
     return ArgumentError(kTarget, "kv_pages",
                          std::string("dtype ") + DTypeName(q_type) + " (the dtype of 'q')" +
                              (q_type == ffi::DataType::F32 ? "" : " or f8e4m3fn"),
-                         "dtype " + DTypeString(kv_type));
+                         std::string("dtype ") + DTypeName(kv_type));
   }
   XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "kv_pages", kv_pages, 4));
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "page_indices", page_indices, ffi::DataType::S32));

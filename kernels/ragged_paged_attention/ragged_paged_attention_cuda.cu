@@ -447,10 +447,6 @@ Plan MakePlan(const Shapes& s, const std::optional<cuda::DeviceInfo>& device) {
   return plan;
 }
 
-ffi::Error NoKernel(const std::string& what) {
-  return ffi::Error::Internal(std::string(kTarget) + ": no CUDA kernel for " + what);
-}
-
 // The launches for one (q dtype, kv dtype, head_dim).
 template <typename T, typename KV, int kHeadDim>
 struct Kernels {
@@ -470,7 +466,9 @@ struct Kernels {
       case 2: LaunchAttend<2>(p, plan, s, stream); break;
       case 4: LaunchAttend<4>(p, plan, s, stream); break;
       case 8: LaunchAttend<8>(p, plan, s, stream); break;
-      default: return NoKernel(std::to_string(plan.heads_per_cta) + " query heads per CTA");
+      default:
+        return NoKernelError(kTarget, "query heads per CTA",
+                             std::to_string(plan.heads_per_cta));
     }
     if (plan.num_partitions > 1) {
       const int64_t rows = s.num_tokens * s.num_q_heads;
@@ -491,7 +489,7 @@ ffi::Error DispatchHeadDim(int64_t head_dim, Fn&& fn) {
     case 128: return fn(Kernels<T, KV, 128>{});
     case 192: return fn(Kernels<T, KV, 192>{});
     case 256: return fn(Kernels<T, KV, 256>{});
-    default: return NoKernel("head_dim " + std::to_string(head_dim));
+    default: return NoKernelError(kTarget, "head_dim", std::to_string(head_dim));
   }
 }
 
@@ -511,8 +509,9 @@ ffi::Error Dispatch(ffi::DataType q_type, bool fp8_kv, int64_t head_dim, Fn&& fn
     default:
       break;
   }
-  return NoKernel(std::string("q dtype ") + DTypeString(q_type) + " with kv_pages " +
-                  (fp8_kv ? "f8e4m3fn" : "of the same dtype"));
+  return NoKernelError(kTarget, "q dtype",
+                       std::string(DTypeName(q_type)) + " with kv_pages " +
+                           (fp8_kv ? "f8e4m3fn" : "of the same dtype"));
 }
 
 ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,

@@ -132,9 +132,9 @@ ffi::Error Dispatch(ffi::DataType q_type, bool fp8_kv, Fn&& fn) {
     default:
       break;
   }
-  return ffi::Error::Internal(std::string(kTarget) + ": no Host kernel for q dtype " +
-                              DTypeString(q_type) + " with kv_pages " +
-                              (fp8_kv ? "f8e4m3fn" : "of the same dtype"));
+  return NoKernelError(kTarget, "q dtype",
+                       std::string(DTypeName(q_type)) + " with kv_pages " +
+                           (fp8_kv ? "f8e4m3fn" : "of the same dtype"));
 }
 
 ffi::Error RaggedPagedAttentionHost(ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,

@@ -1,4 +1,5 @@
-"""`python -m torch_xla_ext generate`: the command the README shows, run as written there."""
+"""The README's serving examples, run as written there: `python -m torch_xla_ext generate` and the
+Engine snippet."""
 
 import os
 import re
@@ -55,3 +56,21 @@ def test_a_local_checkpoint(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"model: checkpoint {tmp_path}: 1 layers" in result.stdout
     assert result.stdout.count("equal to transformers' generate") == 2
+
+
+def _readme_python(first_line):
+    """The README's Python block that starts with `first_line`."""
+    blocks = re.findall(r"```python\n(.*?)```", open(README).read(), re.S)
+    matches = [b for b in blocks if b.startswith(first_line)]
+    assert len(matches) == 1, matches
+    return matches[0]
+
+
+def test_the_readme_engine_example_runs_as_written():
+    namespace = {}
+    exec(compile(_readme_python("from torch_xla_ext.serving import Engine, hf"), README, "exec"),
+         namespace)
+    engine, out = namespace["engine"], namespace["out"]
+    assert not engine.has_unfinished()
+    (tokens,) = out.finished.values()  # the last step finished the one request
+    assert len(tokens) == 16
