@@ -2,12 +2,12 @@
 bf16 weights, transformers' LlamaForCausalLM) at batch 1, 16 and 64 with 2k-token contexts, and
 a mixed prefill + decode workload; against the same model in torch eager with transformers
 (sdpa, static cache) and torch.compile of it (if it compiles); and the share of our custom
-calls in the GPU time of a step (torch.profiler's CUPTI trace, which also records the kernels
-JAX launches in this process).
+calls in the GPU time of a step (a CUPTI trace: bench/gpu_trace.py). The torch.compile rows run
+in a process of their own (torchax, imported for ours, breaks dynamo in its process).
 
     python bench/serving_bench.py --out bench/results/h100-serving.json            # the GPU run
     python bench/serving_bench.py --config tiny --device cpu --batches 1,4 --context 64 \\
-        --no-torch-compile --out /tmp/serving.json                                # a CPU smoke run
+        --impls ours,hf_eager --out /tmp/serving.json                     # a CPU smoke run
 
 Ours: torch_xla_ext.serving.Engine through torchax (each step one jax.jit executable, caches
 donated), page size 16, max_num_seqs 64, up to 8192 tokens per step while prefilling. A decode
@@ -25,6 +25,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 
@@ -35,6 +38,7 @@ import torch  # noqa: E402
 from torch_xla_ext.serving import Engine, hf  # noqa: E402
 
 MIXED_DECODES, MIXED_PREFILLS, MIXED_BUDGET = 48, 16, 512
+IMPLS = ("ours", "hf_eager", "hf_compile")
 
 
 def _prompts(batch, context, vocab_size, seed):
@@ -62,13 +66,19 @@ def _timed_steps(engine, args):
 
 def ours_decode(engine, batch, args, profile_steps):
     """A decode row; then, when profile_steps, a profile of that many more decode steps."""
+    # A sequence whose prompt is done decodes while the others' chunks are prefilled: it may
+    # sample one token per prefill step, so every sequence gets room for that many more.
+    prefill_steps = -(-batch * args.context // engine.scheduler.max_num_batched_tokens) + 1
     for prompt in _prompts(batch, args.context, engine.shape.vocab_size, seed=batch):
-        engine.add_request(prompt, max_new_tokens=1 + args.warmup + args.steps + profile_steps)
+        engine.add_request(prompt, max_new_tokens=prefill_steps + args.warmup + args.steps
+                           + profile_steps)
     prefill_s = _run_prefill(engine)
     outs, seconds = _timed_steps(engine, args)
-    assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs)
+    assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs), \
+        [(o.num_seqs, o.num_prefill_tokens) for o in outs]
     profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
-    assert not engine.has_unfinished()  # the last step finished every sequence
+    while engine.has_unfinished():  # free the pages for the next row
+        engine.step()
     return {"op": "serving_decode", "impl": "xla_ext_torchax", "batch": batch,
             "shape": f"B={batch},context={args.context}", "time_per_step_ms": seconds * 1e3,
             "tokens_per_s": batch / seconds, "bucket": outs[0].bucket,
@@ -100,20 +110,16 @@ def ours_mixed(engine, args, profile_steps):
 
 
 def gpu_profile(step, num_steps):
-    """GPU time of num_steps calls of step() by kernel, and our custom calls' share."""
-    from torch.profiler import ProfilerActivity, profile
+    """GPU time of num_steps calls of step() by kernel, and our custom calls' share (each step
+    returns once its token ids are on the host, so the trace holds all of its work)."""
+    from gpu_trace import gpu_events
 
-    torch.cuda.synchronize()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(num_steps):
-            step()
-        torch.cuda.synchronize()
+    events = gpu_events(lambda: [step() for _ in range(num_steps)])
     wall_us = (time.perf_counter() - start) * 1e6 / num_steps
     kernels = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / num_steps
+    for e in events:
+        kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / num_steps
     gpu_us = sum(kernels.values())
     ours = {n: t for n, t in kernels.items() if "xla_ext" in n}
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
@@ -185,13 +191,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--profile-steps", type=int, default=5)
-    parser.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated, of {','.join(IMPLS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-deadline-s", type=float, default=200.0,
                         help="start no torch.compile row after this many seconds of the run")
     args = parser.parse_args()
     run_start = time.perf_counter()
     batches = [int(b) for b in args.batches.split(",")]
+    impls = args.impls.split(",")
+    if unknown := set(impls) - set(IMPLS):
+        parser.error(f"--impls: expected names from {','.join(IMPLS)}, got {sorted(unknown)}")
     config = {"1b": hf.LLAMA_1B, "tiny": hf.TINY}[args.config]
 
     t0 = time.perf_counter()
@@ -213,28 +223,16 @@ def main():
               f"{row['time_per_step_ms']:9.2f} ms/step {row['tokens_per_s']:10.0f} tokens/s",
               flush=True)
 
-    t0 = time.perf_counter()
-    engine = Engine(model, backend="torchax", dtype=torch.bfloat16, page_size=16,
-                    max_num_seqs=max(max(batches), MIXED_DECODES + MIXED_PREFILLS),
-                    max_num_batched_tokens=args.max_batched_tokens,
-                    max_model_len=args.context + 10_000 // MIXED_DECODES + 8)
-    print(f"engine: {engine.num_pages} pages, buckets {engine.buckets}, made in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    profiled = args.profile_steps if args.device == "cuda" else 0
-    for batch in batches:
-        row, profile = ours_decode(engine, batch, args, profiled if batch == max(batches) else 0)
-        record(row)
-        if profile:
-            result["profile_decode"] = dict(profile, shape=row["shape"])
-    row, profile = ours_mixed(engine, args, profiled)
-    record(row)
-    if profile:
-        result["profile_mixed"] = dict(profile, shape=row["shape"])
-    result["compiled_buckets"] = sorted(engine.buckets_used)
-    result["engine_s"] = round(time.perf_counter() - t0, 1)
-    del engine
-
-    for compiled in ([False, True] if args.torch_compile else [False]):
+    if "ours" in impls:
+        run_ours(model, batches, args, result, record)
+    for compiled in (False, True):
+        if ("hf_compile" if compiled else "hf_eager") not in impls:
+            continue
+        if compiled and "torchax" in sys.modules:
+            # torchax registers a "jax" accelerator, after which dynamo fails in this process
+            # ("PyTorch is not linked with support for jax devices"): a process of its own.
+            hf_compile_in_child(args, run_start, result, record)
+            continue
         for batch in batches:
             if compiled and time.perf_counter() - run_start > args.compile_deadline_s:
                 result["errors"].append({"impl": "hf_compile", "batch": batch, "error":
@@ -259,6 +257,53 @@ def main():
             r["ours_speedup"] = round(ours[r["batch"]]["tokens_per_s"] / r["tokens_per_s"], 3)
     save()
     print(f"wrote {args.out}", flush=True)
+
+
+def run_ours(model, batches, args, result, record):
+    t0 = time.perf_counter()
+    engine = Engine(model, backend="torchax", dtype=torch.bfloat16, page_size=16,
+                    max_num_seqs=max(max(batches), MIXED_DECODES + MIXED_PREFILLS),
+                    max_num_batched_tokens=args.max_batched_tokens,
+                    max_model_len=args.context + 10_000 // MIXED_DECODES + 8)
+    print(f"engine: {engine.num_pages} pages, buckets {engine.buckets}, made in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    profiled = args.profile_steps if args.device == "cuda" else 0
+    for batch in batches:
+        row, profile = ours_decode(engine, batch, args, profiled if batch == max(batches) else 0)
+        record(row)
+        if profile:
+            result["profile_decode"] = dict(profile, shape=row["shape"])
+    row, profile = ours_mixed(engine, args, profiled)
+    record(row)
+    if profile:
+        result["profile_mixed"] = dict(profile, shape=row["shape"])
+    result["compiled_buckets"] = sorted(engine.buckets_used)
+    result["engine_s"] = round(time.perf_counter() - t0, 1)
+
+
+def hf_compile_in_child(args, run_start, result, record):
+    """The torch.compile rows from a child process of this script, into result."""
+    left_s = args.compile_deadline_s - (time.perf_counter() - run_start)
+    if left_s <= 0:
+        result["errors"].append({"impl": "hf_compile", "error": f"not run: past "
+                                 f"--compile-deadline-s {args.compile_deadline_s:.0f} s of the run"})
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "hf_compile.json")
+        command = [sys.executable, os.path.abspath(__file__), "--impls", "hf_compile",
+                   "--out", out, "--config", args.config, "--device", args.device,
+                   "--batches", args.batches, "--context", str(args.context),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--seed", str(args.seed), "--compile-deadline-s", str(left_s)]
+        code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
+        if not os.path.exists(out):
+            result["errors"].append({"impl": "hf_compile", "error": f"its process exited {code}"})
+            return
+        with open(out) as f:
+            child = json.load(f)
+    for row in child["rows"]:
+        record(row)
+    result["errors"] += child["errors"]
 
 
 if __name__ == "__main__":

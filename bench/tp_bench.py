@@ -10,8 +10,8 @@ split by their partitioning rules (jax_ops), the matmuls by XLA.
 Checks, TP=n against TP=1 on the same inputs: the caches bit for bit, the attention output,
 the layer output within bf16 tolerance; the compiled TP=n step holds the two all-reduces and
 no other collective (none on the caches). Measures the step time (wall clock, caches fed
-back donated) and, from a CUPTI trace (torch.profiler, which records the kernels JAX launches
-in this process) on GPUs, the share of each device's step spent in collective kernels.
+back donated) and, from a CUPTI trace (bench/gpu_trace.py) on GPUs, the share of each
+device's step spent in collective kernels.
 
     python bench/tp_bench.py --tp 2 [--out FILE]            # two GPUs: the comparison
     python bench/tp_bench.py --tp 1 [--out FILE]            # one GPU: the single-device half
@@ -24,7 +24,6 @@ import functools
 import json
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -143,17 +142,17 @@ def time_steps(step, count):
 def trace_steps(step, count):
     """Per device, from a CUPTI trace of `count` steps: span (first kernel start to last end),
     kernel time and collective kernel time per step, in us, and the collective kernels seen."""
-    from torch.profiler import ProfilerActivity, profile
+    from gpu_trace import gpu_events
 
-    jax.block_until_ready(step())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def steps():
         for _ in range(count):
             out = step()
         jax.block_until_ready(out)
+
+    jax.block_until_ready(step())
     per_device = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            per_device.setdefault(e.device_index, []).append(e)
+    for e in gpu_events(steps):
+        per_device.setdefault(e.device_index, []).append(e)
     result = {}
     for device, kernels in sorted(per_device.items()):
         span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)

@@ -42,6 +42,11 @@ struct Layout {
   static_assert(kPartition % (kSlots * kUnroll) == 0, "a partition is whole iterations");
 };
 
+// Where (head, seq, partition)'s record goes (split_kv.cuh: [num_heads, num_records]).
+__device__ __forceinline__ int64_t Record(const Params& p, int head, int seq, int partition) {
+  return static_cast<int64_t>(head) * p.num_records + seq * p.num_partitions + partition;
+}
+
 template <typename T, int kHeadSize, int kHeads>
 __global__ void __launch_bounds__(kThreads) AttendSimtKernel(Params p,
                                                               int head_chunks_per_kv_head) {
@@ -249,19 +254,19 @@ __global__ void __launch_bounds__(kThreads) AttendSimtKernel(Params p,
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += warp_out[w * kHeads * kHeadSize + idx];
     const int h = idx / kHeadSize;
-    const int64_t seq_head = static_cast<int64_t>(seq) * p.num_heads + first_head + h;
     if (direct) {
+      const int64_t seq_head = static_cast<int64_t>(seq) * p.num_heads + first_head + h;
       const float inv_sum = head_sum[h] > 0.0f ? 1.0f / head_sum[h] : 0.0f;
       out[seq_head * kHeadSize + idx % kHeadSize] = cuda::FromFloat<T>(total * inv_sum);
     } else {
-      p.partial_out[(seq_head * p.num_partitions + partition) * kHeadSize + idx % kHeadSize] =
+      p.partial_out[Record(p, first_head + h, seq, partition) * kHeadSize + idx % kHeadSize] =
           total;
     }
   }
   if (!direct && threadIdx.x < kHeads) {
-    const int64_t seq_head = static_cast<int64_t>(seq) * p.num_heads + first_head + threadIdx.x;
-    p.partial_max[seq_head * p.num_partitions + partition] = head_max[threadIdx.x];
-    p.partial_sum[seq_head * p.num_partitions + partition] = head_sum[threadIdx.x];
+    const int64_t record = Record(p, first_head + threadIdx.x, seq, partition);
+    p.partial_max[record] = head_max[threadIdx.x];
+    p.partial_sum[record] = head_sum[threadIdx.x];
   }
 }
 

@@ -1,11 +1,16 @@
 // Hopper decode attention for f16/bf16 with GQA groups of up to 16 query heads. Decode reads
 // every K and V byte once and does little arithmetic per byte, so the kernel spends as few
 // instructions as possible per byte and keeps plenty of bytes in flight:
-// - One CTA per (sequence, partition, kv_heads_per_cta consecutive kv heads), one warp per kv
-//   head. A token's rows for those kv heads are contiguous in the NHD cache, so one TMA bulk
-//   copy moves them into shared memory.
-// - Stages of kStageTokens tokens (their K and V rows) stream through a ring of num_stages
-//   buffers. A producer warp issues the copies; a buffer's `full` mbarrier completes when its
+// - The grid fills the GPU once: gridDim.y groups of kv_heads_per_cta consecutive kv heads,
+//   and gridDim.x CTAs that split the batch's actual tokens evenly between them, in stages of
+//   kStageTokens tokens of one sequence (kernels/common/balanced_split.cuh: a CTA's stages may
+//   cross sequences, a long sequence spans many CTAs, the lengths are read on the device). A
+//   sequence a CTA holds whole is written to the output directly; the pieces of a split one go
+//   to CombinePartitionsKernel. One warp per kv head; a token's rows for the CTA's kv heads are
+//   contiguous in the NHD cache, so one TMA bulk copy moves them into shared memory.
+// - Stages (their K and V rows) stream through a ring of num_stages buffers. A producer warp
+//   walks the CTA's stages and issues the copies, telling the consumers which sequence and
+//   tokens each stage holds; a buffer's `full` mbarrier completes when its
 //   bytes have landed, its `empty` one when every consumer thread is done with it, and only
 //   then does the producer refill it. No CTA-wide barrier in the loop. Every thread arrives
 //   for itself: an arrive releases only the arriving thread's accesses.
@@ -22,33 +27,41 @@
 // distinct banks. Measured on an H100 (bench/results/h100-tune-tensor-core.txt): one L2 prefetch
 // per block-sized run of tokens, a stage ahead, raised B=32, L=4096 from 82% to 88% of copy
 // bandwidth in the same timing; copies of one kv head's 256-byte rows reached only about 50%.
+// Before the batch was split by its actual lengths, partitions were sized from the longest
+// possible sequence, and one long sequence beside short ones ran at 6% of copy bandwidth.
 #ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
 #define XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
 
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
 #include "kernels/paged_attention/split_kv.cuh"
 
 namespace xla_ext::paged_attention::tensor_core {
 
-// Build-time tuning knob (tools/device/tune_paged_attention.sh): stages of L2 prefetch ahead.
-#ifndef XLA_EXT_PAGED_ATTENTION_L2_PREFETCH_STAGES
-#define XLA_EXT_PAGED_ATTENTION_L2_PREFETCH_STAGES 1
-#endif
-
-constexpr int kL2PrefetchStages = XLA_EXT_PAGED_ATTENTION_L2_PREFETCH_STAGES;
 constexpr int kStageTokens = 16;  // one k16 step of P V; two n8 tiles of S
 constexpr int kMaxStages = 16;
-// Stages a CTA brings into L2 before the previous kernel has finished (PrefetchEarly). Measured
-// on an H100 against none, 3 and 4 (bench/results/h100-tune-tensor-core.txt).
-constexpr int kEarlyPrefetchStages = 2;
 constexpr int kMaxKvHeadsPerCta = 8;
 constexpr int kMaxGroupSize = 16;  // the rows of an m16n8k16 A tile
-// Barriers and per-stage token masks come first in shared memory, then the stage buffers.
-constexpr int kHeaderBytes = kMaxStages * (2 * sizeof(uint64_t) + sizeof(uint32_t));
+// A stage's tokens as the producer describes them to the consumers.
+struct StageInfo {
+  int seq;
+  int first_token;  // within the sequence
+  int seq_len;
+  int flags;        // kFirstStage | kLastStage of the sequence
+};
+constexpr int kFirstStage = 1;
+constexpr int kLastStage = 2;
+// Barriers, per-stage StageInfos and token masks, and the scheduler's scratch come first in
+// shared memory, then the stages. (All of it dynamic: static shared memory would lower the
+// dynamic maximum a kernel may opt in to.)
+constexpr int kScheduleScratchInts = cuda::balanced::ScratchInts((kMaxKvHeadsPerCta + 1) * 32);
+constexpr int kHeaderBytes =
+    (kMaxStages * (2 * sizeof(uint64_t) + sizeof(StageInfo) + sizeof(uint32_t)) +
+     kScheduleScratchInts * sizeof(int) + 15) / 16 * 16;
 static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 
 struct Layout {
@@ -66,25 +79,13 @@ inline int SharedBytes(const Layout& layout, int num_stages) {
   return kHeaderBytes + num_stages * layout.stage_bytes;
 }
 
-// Launched programmatically, a CTA starts while the previous kernel drains, and must not read
-// what that kernel may still write until WaitForPrerequisiteGrid. It can still start its first
-// stages' DRAM reads: an L2 prefetch is only a hint, and L2 is where every SM's writes land, so
-// a prefetched line can never be stale. The sequence length and block id that give the address
-// are read past L1 (__ldcg), so that no stale copy stays there for the real reads after the
-// wait; if the previous kernel changes them, this prefetches the wrong rows of the cache, which
-// costs bandwidth and nothing else. Rows [t, t + run) of every kv head, a run within one block.
-template <typename T, int kHeadSize>
-__device__ __forceinline__ void PrefetchEarly(const Params& p, int seq, const int32_t* blocks,
-                                              int t, int run) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (t >= ClampSeqLen(p, __ldcg(&p.seq_lens[seq]))) return;
-  const int64_t offset = RowOffset(p, __ldcg(&blocks[t >> p.log2_block_size]), t, 0, kHeadSize);
-  if (offset < 0) return;
-  const uint32_t bytes = run * p.num_kv_heads * kHeadSize * sizeof(T);
-  cuda::sm90::PrefetchToL2(static_cast<const T*>(p.key_cache) + offset, bytes);
-  cuda::sm90::PrefetchToL2(static_cast<const T*>(p.value_cache) + offset, bytes);
-#endif
+// Stages of a sequence of `length` tokens.
+__device__ __forceinline__ int StagesOf(int length) {
+  return (length + kStageTokens - 1) / kStageTokens;
 }
+
+// The fewest stages a CTA takes (short pieces cost more in partials than they save).
+constexpr int kMinCtaStages = 4;
 
 // kHighRows: the GQA group has more than 8 heads, so rows 8-15 of the MMA tiles are used.
 template <typename T, int kHeadSize, bool kHighRows>
@@ -97,13 +98,13 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
   extern __shared__ __align__(16) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // a stage's bytes have landed
   uint64_t* empty = full + kMaxStages;                   // every consumer is done with it
-  uint32_t* valid_masks = reinterpret_cast<uint32_t*>(empty + kMaxStages);
+  StageInfo* stage_infos = reinterpret_cast<StageInfo*>(empty + kMaxStages);
+  uint32_t* valid_masks = reinterpret_cast<uint32_t*>(stage_infos + kMaxStages);
+  int* schedule_scratch = reinterpret_cast<int*>(valid_masks + kMaxStages);
   unsigned char* stages = smem + kHeaderBytes;
 
-  const int seq = blockIdx.x;
-  const int partition = blockIdx.y;
   const int kv_heads_per_cta = blockDim.x / 32 - 1;  // consumer warps; the last warp produces
-  const int first_kv_head = blockIdx.z * kv_heads_per_cta;
+  const int first_kv_head = blockIdx.y * kv_heads_per_cta;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group = p.num_heads / p.num_kv_heads;
@@ -115,64 +116,53 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
     }
     sm90::FenceBarrierInit();
   }
-  const int start = partition * p.partition_len;
-  const int32_t* blocks = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
-  // With every kv head in the CTA, the rows of a block's tokens are one contiguous run: one
-  // large L2 prefetch per run turns a stage's row copies into L2 hits. The first
-  // kEarlyPrefetchStages stages are prefetched here, the rest a stage ahead in the loop.
-  const int prefetch_run =
-      kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
-  if (warp == kv_heads_per_cta && prefetch_run > 0 &&
-      lane < kEarlyPrefetchStages * kStageTokens / prefetch_run) {
-    PrefetchEarly<T, kHeadSize>(p, seq, blocks, start + lane * prefetch_run, prefetch_run);
-  }
-  __syncthreads();
   // Launched programmatically: the set-up above overlaps the previous kernel's tail; global
   // memory only after it has finished.
   sm90::WaitForPrerequisiteGrid();
-  // The producer loads its first stage's block ids beside the sequence length: one memory
-  // round trip before the first copies, not two. Entries below the capacity are readable.
-  const int first_token = start + lane % kStageTokens;
-  const int first_block =
-      warp == kv_heads_per_cta && first_token < Capacity(p)
-          ? blocks[first_token >> p.log2_block_size]
-          : -1;
-  const int seq_len = SeqLen(p, seq);
-  const int end = min(start + p.partition_len, seq_len);
-  const bool direct = p.num_partitions == 1;
-  T* out = static_cast<T*>(p.out);
-
-  if (start >= end) {
-    // Empty sequence; a partition past the end is never read by the combine kernel.
-    if (direct) {
-      const int64_t first = (static_cast<int64_t>(seq) * p.num_heads + first_kv_head * group) *
-                            kHeadSize;
-      for (int i = threadIdx.x; i < kv_heads_per_cta * group * kHeadSize; i += blockDim.x) {
-        out[first + i] = cuda::FromFloat<T>(0.0f);
-      }
-    }
-    return;
-  }
-
-  const int num_iters = (end - start + kStageTokens - 1) / kStageTokens;
+  const cuda::balanced::Range range = cuda::balanced::LocateRange(
+      p.num_seqs, kMinCtaStages, [&](int seq) { return StagesOf(SeqLen(p, seq)); },
+      schedule_scratch);
+  if (range.begin >= range.end) return;  // more CTAs than stages
+  const int num_iters = range.end - range.begin;
 
   if (warp == kv_heads_per_cta) {
     // Producer: lanes 0-15 copy the K rows of a stage's tokens, lanes 16-31 their V rows. The
-    // block-table entry of the next stage is loaded before waiting for its buffer.
+    // next stage's block-table entry is loaded before waiting for its buffer. With every kv
+    // head in the CTA, the rows of a block's tokens are one contiguous run: one L2 prefetch
+    // per run, a stage ahead, turns the next stage's row copies into L2 hits.
     const int index = lane % kStageTokens;
     const bool value = lane >= kStageTokens;
     const uint32_t row_bytes = layout.row_stride - Layout::kRowPadding;
     const T* cache = static_cast<const T*>(value ? p.value_cache : p.key_cache);
     const uint64_t read_once = sm90::EvictFirstPolicy();
-    const auto row_offset = [&](int iter) -> int64_t {
-      const int t = start + iter * kStageTokens + index;
-      return t < end ? RowOffset(p, blocks, t, first_kv_head, kHeadSize) : -1;
+    const int prefetch_run =
+        kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
+    cuda::balanced::SequenceWalk walk(
+        [&](int seq) { return SeqLen(p, seq); }, [](int length) { return StagesOf(length); },
+        p.num_seqs, range.first_seq, range.begin - range.first_seq_begin);
+    const auto row_offset = [&]() -> int64_t {
+      const int t = walk.unit * kStageTokens + index;
+      if (t >= walk.length) return -1;
+      return RowOffset(p, p.block_tables + static_cast<int64_t>(walk.seq) * p.max_blocks_per_seq,
+                       t, first_kv_head, kHeadSize);
     };
-    int64_t offset =
-        first_token < end ? RowOffset(p, first_block, first_token, first_kv_head, kHeadSize) : -1;
+    int64_t offset = row_offset();
     for (int iter = 0; iter < num_iters; ++iter) {
       const int slot = iter % num_stages;
-      const int64_t next = iter + 1 < num_iters ? row_offset(iter + 1) : -1;
+      const StageInfo info{walk.seq, walk.unit * kStageTokens, walk.length,
+                           (walk.unit == 0 ? kFirstStage : 0) |
+                               (walk.unit == walk.units - 1 ? kLastStage : 0)};
+      if (walk.unit == 0 && blockIdx.y == 0 && lane == 0) {
+        // This CTA holds the sequence's first stage: say where its records are.
+        const int last_cta = (range.begin + iter + walk.units - 1) / range.chunk;
+        p.seq_records[walk.seq] =
+            make_int2(blockIdx.x + walk.seq, last_cta - static_cast<int>(blockIdx.x) + 1);
+      }
+      int64_t next = -1;
+      if (iter + 1 < num_iters) {
+        walk.Next();
+        next = row_offset();
+      }
       if (iter >= num_stages) {
         sm90::WaitParity(sm90::SharedAddress(&empty[slot]), (iter / num_stages - 1) & 1);
       }
@@ -190,8 +180,10 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
         }
         sm90::FenceProxyAsync();
       }
-      // Every lane arrives, releasing its own shared-memory writes (lane 0: the token mask).
+      // Every lane arrives, releasing its own shared-memory writes (lane 0: the stage's
+      // description and token mask).
       if (lane == 0) {
+        stage_infos[slot] = info;
         valid_masks[slot] = valid & 0xffffu;
         sm90::ArriveExpectBytes(barrier, total);
       } else {
@@ -202,11 +194,8 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
         sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + offset, bytes, barrier,
                                read_once);
       }
-      const int ahead_iter = iter + kL2PrefetchStages;
-      if (kL2PrefetchStages > 0 && prefetch_run > 0 && ahead_iter >= kEarlyPrefetchStages &&
-          ahead_iter < num_iters && index % prefetch_run == 0) {
-        const int64_t ahead = row_offset(ahead_iter);
-        if (ahead >= 0) sm90::PrefetchToL2(cache + ahead, prefetch_run * row_bytes);
+      if (prefetch_run > 0 && next >= 0 && index % prefetch_run == 0) {
+        sm90::PrefetchToL2(cache + next, prefetch_run * row_bytes);
       }
       offset = next;
     }
@@ -218,7 +207,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
   const int row = lane / 4;
   const int col = 2 * (lane % 4);
   uint32_t qa[kSteps][4];
-  {
+  const auto load_query = [&](int seq) {
     const T* q = static_cast<const T*>(p.query) +
                  (static_cast<int64_t>(seq) * p.num_heads + first_head) * kHeadSize;
     const uint32_t* q_lo = reinterpret_cast<const uint32_t*>(q + row * kHeadSize + col);
@@ -230,22 +219,64 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       qa[s][1] = kHighRows && row + 8 < group ? q_hi[s * 8] : 0u;
       qa[s][3] = kHighRows && row + 8 < group ? q_hi[s * 8 + 4] : 0u;
     }
-  }
+  };
 
   // Online softmax state of rows `row` (lo) and `row + 8` (hi); O's accumulators per n8 tile:
   // [0..1] row lo, [2..3] row hi (kept only with kHighRows), columns col + {0,1}.
   constexpr int kRows = kHighRows ? 2 : 1;
   float running_max[kRows], running_sum[kRows];
   float o[kTiles][4];  // rows hi are dead code without kHighRows
+  const auto reset = [&]() {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    running_max[r] = -INFINITY;
-    running_sum[r] = 0.0f;
-  }
+    for (int r = 0; r < kRows; ++r) {
+      running_max[r] = -INFINITY;
+      running_sum[r] = 0.0f;
+    }
 #pragma unroll
-  for (int n = 0; n < kTiles; ++n)
+    for (int n = 0; n < kTiles; ++n)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+      for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+  };
+
+  // Writes this CTA's piece of `seq`: the output itself when the piece is the whole sequence,
+  // else its record for the combine kernel.
+  T* out = static_cast<T*>(p.out);
+  const auto write_piece = [&](int seq, bool whole) {
+    // Each row's sum is spread over its 4 lanes.
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 1);
+      running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int head_row = row + 8 * r;
+      if (head_row >= group) continue;
+      const int head = first_head + head_row;
+      if (whole) {
+        const float inv_sum = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(
+            out + (static_cast<int64_t>(seq) * p.num_heads + head) * kHeadSize + col);
+#pragma unroll
+        for (int n = 0; n < kTiles; ++n) {
+          dst[n * 4] = sm90::Pack<T>(o[n][2 * r] * inv_sum, o[n][2 * r + 1] * inv_sum);
+        }
+      } else {
+        const uint64_t read_soon = sm90::EvictLastPolicy();
+        const int64_t record =
+            static_cast<int64_t>(head) * p.num_records + blockIdx.x + seq;
+        float2* dst = reinterpret_cast<float2*>(p.partial_out + record * kHeadSize + col);
+#pragma unroll
+        for (int n = 0; n < kTiles; ++n) {
+          sm90::Store(&dst[n * 4], make_float2(o[n][2 * r], o[n][2 * r + 1]), read_soon);
+        }
+        if (lane % 4 == 0) {
+          sm90::Store(&p.partial_max[record], running_max[r], read_soon);
+          sm90::Store(&p.partial_sum[record], running_sum[r], read_soon);
+        }
+      }
+    }
+  };
 
   // ldmatrix row addresses of this lane, relative to the warp's first K or V element.
   // K (B of Q K^T, not transposed): matrix j = lane/8 is (tokens 8*(j/2).., columns 8*(j%2)..).
@@ -254,9 +285,22 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
   const int k_lane = ((j / 2) * 8 + lane % 8) * layout.row_stride + (j % 2) * 8 * sizeof(T);
   const int v_lane = ((j % 2) * 8 + lane % 8) * layout.row_stride + (j / 2) * 8 * sizeof(T);
 
+  int seq = -1;             // the sequence of the piece in progress
+  bool piece_from_start = false;  // it began with the sequence's first stage
+  bool piece_to_end = false;      // its last stage so far is the sequence's last
   for (int iter = 0; iter < num_iters; ++iter) {
     const int slot = iter % num_stages;
     sm90::WaitParity(sm90::SharedAddress(&full[slot]), (iter / num_stages) & 1);
+    const StageInfo info = stage_infos[slot];
+    const uint32_t valid = valid_masks[slot];
+    if (info.seq != seq) {
+      if (seq >= 0) write_piece(seq, piece_from_start && piece_to_end);
+      seq = info.seq;
+      piece_from_start = (info.flags & kFirstStage) != 0;
+      load_query(seq);
+      reset();
+    }
+    piece_to_end = (info.flags & kLastStage) != 0;
     const uint32_t k_base = sm90::SharedAddress(stages + slot * layout.stage_bytes) +
                             warp * kHeadSize * sizeof(T);
     const uint32_t v_base = k_base + kStageTokens * layout.row_stride;
@@ -272,8 +316,6 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
     }
 
     // Logits, masked; then the online softmax update per row.
-    const uint32_t valid = valid_masks[slot];
-    const int first_token = start + iter * kStageTokens;
     // Calls fn(n, i, r) for each of this lane's scores s[n][i]; r: its row, 0 (lo) or 1 (hi).
     const auto for_each_score = [&](auto fn) {
 #pragma unroll
@@ -289,7 +331,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       // Padding rows still need a finite logit; their results are never written.
       const int head = first_head + min(row + 8 * r, group - 1);
       const float logit = (valid >> index) & 1u
-                              ? Logit(p, s[n][i], head, first_token + index, seq_len)
+                              ? Logit(p, s[n][i], head, info.first_token + index, info.seq_len)
                               : -INFINITY;
       s[n][i] = logit;
       tile_max[r] = fmaxf(tile_max[r], logit);
@@ -342,39 +384,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
 
   // The combine kernel may start launching (it waits for this grid to finish).
   sm90::LaunchDependents();
-
-  // Each row's sum is spread over its 4 lanes.
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 1);
-    running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 2);
-  }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int head_row = row + 8 * r;
-    if (head_row >= group) continue;
-    const int64_t seq_head = static_cast<int64_t>(seq) * p.num_heads + first_head + head_row;
-    if (direct) {
-      const float inv_sum = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out + seq_head * kHeadSize + col);
-#pragma unroll
-      for (int n = 0; n < kTiles; ++n) {
-        dst[n * 4] = sm90::Pack<T>(o[n][2 * r] * inv_sum, o[n][2 * r + 1] * inv_sum);
-      }
-    } else {
-      const uint64_t read_soon = sm90::EvictLastPolicy();
-      const int64_t index = seq_head * p.num_partitions + partition;
-      float2* dst = reinterpret_cast<float2*>(p.partial_out + index * kHeadSize + col);
-#pragma unroll
-      for (int n = 0; n < kTiles; ++n) {
-        sm90::Store(&dst[n * 4], make_float2(o[n][2 * r], o[n][2 * r + 1]), read_soon);
-      }
-      if (lane % 4 == 0) {
-        sm90::Store(&p.partial_max[index], running_max[r], read_soon);
-        sm90::Store(&p.partial_sum[index], running_sum[r], read_soon);
-      }
-    }
-  }
+  write_piece(seq, piece_from_start && piece_to_end);
 #else
   __trap();  // launched only on sm_90 and newer (see Supported)
 #endif

@@ -2,7 +2,11 @@
 // - attend_tensor_core.cuh: TMA + tensor cores, for f16/bf16 on Hopper and newer with GQA groups
 //   of up to 16 heads (the serving case);
 // - attend_simt.cuh: CUDA cores, for everything else (f32, larger groups, older GPUs).
-// Both split long sequences into partitions that CombinePartitionsKernel merges.
+// Both may split a sequence over several CTAs, whose pieces CombinePartitionsKernel merges: the
+// tensor-core kernel splits the batch's actual tokens evenly over a grid that fills the GPU
+// once (the split is made on the device: kernels/common/balanced_split.cuh), the CUDA-core
+// kernel every sequence into fixed partitions (a grid sized for the longest possible sequence,
+// whose CTAs past a sequence's end return at once).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -30,9 +34,6 @@ namespace {
 #endif
 #ifndef XLA_EXT_PAGED_ATTENTION_SHARED_KB  // shared memory a CTA's stage ring may use
 #define XLA_EXT_PAGED_ATTENTION_SHARED_KB 200
-#endif
-#ifndef XLA_EXT_PAGED_ATTENTION_MIN_PARTITION  // tokens
-#define XLA_EXT_PAGED_ATTENTION_MIN_PARTITION 64
 #endif
 static_assert(XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA >= 1 &&
                   XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA <= tensor_core::kMaxKvHeadsPerCta,
@@ -62,26 +63,30 @@ int CtasPerSm(const void* kernel, const cuda::DeviceInfo& device, int threads, i
                            device.max_shared_bytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, shared_bytes) !=
           cudaSuccess) {
+    cudaGetLastError();  // not left behind for the launch check to report
     return 0;
   }
   answers.emplace(key, ctas);
   return ctas;
 }
 
-// How a call is split: partitions per sequence, and for the tensor-core kernel its CTA shape.
+// How a call is split: for the CUDA-core kernel partitions per sequence; for the tensor-core
+// kernel its CTA shape and the CTAs that share the batch's tokens (per group of kv heads).
 struct Plan {
   bool tensor_core = false;
   int partition_len = simt::kPartition;
   int64_t num_partitions = 1;
   int kv_heads_per_cta = 1;
   int num_stages = 0;
+  int workers = 1;
   tensor_core::Layout layout{};
 };
 
 // The tensor-core kernel's plan with `kv_heads` consecutive kv heads per CTA (nullopt if two
-// stages do not fit in shared memory): as many stages as the budget holds, and partitions
-// such that the grid fills every CTA slot of the GPU once (each CTA keeps several stages in
-// flight, so one wave streams at full bandwidth, and a single wave has no tail).
+// stages do not fit in shared memory): as many stages as the budget holds, and as many CTAs as
+// fill every CTA slot of the GPU once (each CTA keeps several stages in flight, so one wave
+// streams at full bandwidth, and a single wave has no tail). The kernel splits the tokens
+// between them.
 template <typename T, int kHeadSize, bool kHighRows>
 std::optional<Plan> TensorCorePlanFor(const Shapes& s, const cuda::DeviceInfo& device, int kv_heads) {
   Plan plan;
@@ -101,22 +106,13 @@ std::optional<Plan> TensorCorePlanFor(const Shapes& s, const cuda::DeviceInfo& d
       reinterpret_cast<const void*>(&tensor_core::AttendTensorCoreKernel<T, kHeadSize, kHighRows>),
       device, (kv_heads + 1) * 32, tensor_core::SharedBytes(plan.layout, plan.num_stages));
   if (ctas_per_sm == 0) return std::nullopt;
-  const int64_t ctas_per_partition = s.num_seqs * (s.num_kv_heads / kv_heads);
-  const int64_t target = std::max<int64_t>(1, device.sms * ctas_per_sm / ctas_per_partition);
-  const int64_t len = (s.capacity() + target - 1) / target;
-  const int64_t stage = tensor_core::kStageTokens;
-  plan.partition_len = static_cast<int>(std::min<int64_t>(
-      std::max<int64_t>((len + stage - 1) / stage * stage, XLA_EXT_PAGED_ATTENTION_MIN_PARTITION),
-      INT32_MAX / 2));
-  plan.num_partitions = std::max<int64_t>(1, (s.capacity() + plan.partition_len - 1) /
-                                                 plan.partition_len);
+  plan.workers = static_cast<int>(
+      std::max<int64_t>(1, device.sms * ctas_per_sm / (s.num_kv_heads / kv_heads)));
   return plan;
 }
 
 // Every kv head of a token in one CTA (up to the knob) streams whole token rows and lets the
-// kernel prefetch whole blocks into L2. But when half as many kv heads per CTA fill the GPU
-// without splitting sequences, that wins: no partials, no combine kernel (measured on an
-// H100 at B=64, L=1024: 100 us against 112 us).
+// kernel prefetch whole blocks into L2.
 template <typename T, int kHeadSize, bool kHighRows>
 std::optional<Plan> TensorCorePlan(const Shapes& s, const cuda::DeviceInfo& device) {
   int kv_heads = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
@@ -125,10 +121,6 @@ std::optional<Plan> TensorCorePlan(const Shapes& s, const cuda::DeviceInfo& devi
   while (!plan.has_value() && kv_heads > 1) {
     kv_heads /= 2;
     plan = TensorCorePlanFor<T, kHeadSize, kHighRows>(s, device, kv_heads);
-  }
-  if (plan.has_value() && plan->num_partitions > 1 && kv_heads > 1) {
-    std::optional<Plan> half = TensorCorePlanFor<T, kHeadSize, kHighRows>(s, device, kv_heads / 2);
-    if (half.has_value() && half->num_partitions == 1) return half;
   }
   return plan;
 }
@@ -142,7 +134,7 @@ Plan SimtPlan(const Shapes& s) {
 
 template <typename T, int kHeadSize, bool kHighRows>
 void LaunchTensorCore(const Params& p, const Plan& plan, const Shapes& s, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(s.num_seqs), static_cast<unsigned>(plan.num_partitions),
+  const dim3 grid(static_cast<unsigned>(plan.workers),
                   static_cast<unsigned>(s.num_kv_heads / plan.kv_heads_per_cta));
   cuda::LaunchProgrammatic(tensor_core::AttendTensorCoreKernel<T, kHeadSize, kHighRows>, grid,
                            dim3((plan.kv_heads_per_cta + 1) * 32),
@@ -179,10 +171,14 @@ struct Kernels {
     if (!plan.tensor_core) {
       simt::Attend<T, kHeadSize>(p, static_cast<int>(s.num_seqs), s.group_size(), stream);
     }
-    if (p.num_partitions > 1) {
-      // Launches while the attention kernel drains (it waits for it on the GPU).
+    if (plan.tensor_core || p.num_partitions > 1) {
+      // Launches while the attention kernel drains (it waits for it on the GPU). The
+      // tensor-core kernel's pieces per sequence are known on the device only: a row gets the
+      // warps of an even share (a longer row's warps take several chunks each).
+      const int64_t records_per_row =
+          plan.tensor_core ? cuda::CeilDiv(plan.workers, s.num_seqs) + 1 : p.num_partitions;
       const int warps_per_row =
-          CombineWarpsPerRow(p.num_partitions, CombineChunk<kHeadSize>());
+          CombineWarpsPerRow(static_cast<int>(records_per_row), CombineChunk<kHeadSize>());
       const int64_t rows = s.num_seqs * s.num_heads;
       cuda::LaunchProgrammatic(CombinePartitionsKernel<T, kHeadSize>,
                                dim3(cuda::CeilDiv(rows, kCombineWarps / warps_per_row)),
@@ -238,7 +234,9 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   Plan plan;
   XLA_EXT_RETURN_IF_ERROR(DispatchKernels(
       query.element_type(), s.head_size, [&](auto kernels) { plan = kernels.MakePlan(s, device); }));
-  if (s.num_seqs * plan.num_partitions > INT32_MAX) {  // grid dimensions
+  const int64_t records =
+      plan.tensor_core ? plan.workers + s.num_seqs : s.num_seqs * plan.num_partitions;
+  if (records > INT32_MAX) {  // grid dimensions and record numbers
     return ArgumentError(kTarget, "block_tables", "num_seqs * partitions < 2^31",
                          "shape " + ShapeString(block_tables.dimensions()));
   }
@@ -251,6 +249,7 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.seq_lens = static_cast<const int32_t*>(seq_lens.untyped_data());
   p.alibi_slopes = s.has_alibi ? static_cast<const float*>(alibi_slopes.untyped_data()) : nullptr;
   p.out = out->untyped_data();
+  p.num_seqs = static_cast<int>(s.num_seqs);
   p.num_heads = static_cast<int>(s.num_heads);
   p.num_kv_heads = static_cast<int>(s.num_kv_heads);
   p.num_blocks = static_cast<int>(std::min<int64_t>(s.num_blocks, INT32_MAX));
@@ -261,10 +260,23 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.scale = scale;
   p.softcap = softcap;
 
-  if (p.num_partitions > 1) {
+  if (plan.tensor_core) {
+    // Records CTA + sequence (balanced_split.cuh), and where each sequence's are.
+    p.num_records = static_cast<int>(records);
+    std::optional<void*> seq_records = scratch.Allocate(s.num_seqs * sizeof(int2), 16);
+    if (!seq_records.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        std::string(kTarget) + ": cannot allocate " +
+                            std::to_string(s.num_seqs * sizeof(int2)) + " bytes of scratch");
+    }
+    p.seq_records = static_cast<int2*>(*seq_records);
+  } else {
+    p.num_records = static_cast<int>(records);
+  }
+  if (plan.tensor_core || p.num_partitions > 1) {
     cuda::PartialResults partials;
     XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
-        scratch, kTarget, s.num_seqs * s.num_heads * p.num_partitions, s.head_size, partials));
+        scratch, kTarget, s.num_heads * p.num_records, s.head_size, partials));
     p.partial_out = partials.out;
     p.partial_max = partials.max;
     p.partial_sum = partials.sum;

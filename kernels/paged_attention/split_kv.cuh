@@ -1,7 +1,10 @@
 // What both CUDA attention kernels share: their parameters, the block-table walk, and the
-// split-KV combine. A sequence's tokens are split into partitions of partition_len tokens, one
-// CTA each; with more than one partition, each CTA writes its (max, sum, unnormalised output)
-// per query head and CombinePartitionsKernel merges them.
+// split-KV combine. A sequence's tokens may be split over several CTAs ("pieces"); each piece
+// writes its (max, sum, unnormalised output) per query head as one record, and
+// CombinePartitionsKernel merges a sequence's records. The CUDA-core kernel splits every
+// sequence into partitions of partition_len tokens (record seq * num_partitions + partition);
+// the tensor-core kernel splits the batch's actual tokens evenly over its grid
+// (kernels/common/balanced_split.cuh) and says in seq_records where each sequence's are.
 #ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_SPLIT_KV_CUH_
 #define XLA_EXT_KERNELS_PAGED_ATTENTION_SPLIT_KV_CUH_
 
@@ -21,17 +24,23 @@ struct Params {
   const int32_t* seq_lens;
   const float* alibi_slopes;  // null: no ALiBi
   void* out;
-  // Per (seq, head, partition), used when num_partitions > 1.
+  // Records of split sequences, per head: [num_heads, num_records] (out: and head_size).
   float* partial_max;
   float* partial_sum;
-  float* partial_out;  // [num_seqs, num_heads, num_partitions, head_size]
+  float* partial_out;
+  int num_records;
+  // Tensor-core kernel: (first record, records) of each non-empty sequence, written by the
+  // CTA that holds its first token; a sequence with one record was written to `out` directly.
+  // Null for the CUDA-core kernel.
+  int2* seq_records;
+  int num_seqs;
   int num_heads;
   int num_kv_heads;
   int num_blocks;
   int max_blocks_per_seq;
   int log2_block_size;  // block sizes are powers of two: token -> block is a shift
-  int partition_len;    // tokens per CTA
-  int num_partitions;
+  int partition_len;    // CUDA-core kernel: tokens per CTA
+  int num_partitions;   // CUDA-core kernel: partitions per sequence
   float scale;
   float softcap;
 };
@@ -101,8 +110,9 @@ __device__ __forceinline__ float WarpReduce(float value, Op op) {
   return value;
 }
 
-// Merges each (seq, head) row's partitions: out = sum_i w_i o_i / sum_i w_i l_i, where
-// w_i = exp(m_i - m) and (m_i, l_i, o_i) are partition i's max, sum and unnormalised output.
+// Merges each (seq, head) row's records: out = sum_i w_i o_i / sum_i w_i l_i, where
+// w_i = exp(m_i - m) and (m_i, l_i, o_i) are record i's max, sum and unnormalised output. An
+// empty sequence gets zeros; one the attention kernel wrote directly is left alone.
 // It runs after the attention kernel, where its memory round trips, not its bytes, set its
 // time: a warp issues all loads of a chunk of partitions (lane c holds columns 4c..4c+3, as
 // float4) together with the chunk's statistics, then merges the chunk online. A row's warps
@@ -123,10 +133,23 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
                            warp / warps_per_row;
   const int share = warp % warps_per_row;  // this warp's chunks: share, share + warps_per_row..
   const bool has_row = seq_head < rows;
-  const int used = has_row ? (SeqLen(p, static_cast<int>(seq_head / p.num_heads)) +
-                              p.partition_len - 1) / p.partition_len
-                           : 0;
-  const int64_t first = seq_head * p.num_partitions;
+  const int seq = has_row ? static_cast<int>(seq_head / p.num_heads) : 0;
+  const int seq_len = has_row ? SeqLen(p, seq) : 0;
+  int first_record = 0, used = 0;
+  if (p.seq_records != nullptr) {
+    if (seq_len > 0) {
+      const int2 records = p.seq_records[seq];
+      first_record = records.x;
+      used = records.y;
+    }
+  } else {
+    first_record = seq * p.num_partitions;
+    used = (seq_len + p.partition_len - 1) / p.partition_len;
+  }
+  const bool written = p.seq_records != nullptr && used == 1;
+  if (written) used = 0;
+  const int64_t first =
+      static_cast<int64_t>(seq_head % p.num_heads) * p.num_records + first_record;
   const float4* partial = reinterpret_cast<const float4*>(p.partial_out + first * kHeadSize);
   const auto has_column = [&](int v) { return (v * 32 + lane) * 4 < kHeadSize; };
 
@@ -195,7 +218,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
       }
     }
   }
-  if (!has_row) return;
+  if (!has_row || written) return;
   const float inv_sum = l > 0.0f ? 1.0f / l : 0.0f;  // an empty sequence gives zeros
   T* out = static_cast<T*>(p.out) + seq_head * kHeadSize;
 #pragma unroll
