@@ -1,13 +1,35 @@
-"""Launches the CUDA paged-attention handler at B=32, L=4096 (bf16, H=32, KVH=8, D=128,
-block 16) through torch, for a profiler: `ncu --kernel-name regex:AttendTensorCore
---launch-skip 2 --launch-count 1 python3 bench/profile_paged_attention.py`."""
+"""Launches the CUDA paged-attention handler on one batch through torch, for a profiler (bf16,
+D=128, block 16): B=32, L=4096, H=32, KVH=8 by default, or a mix of bench/decode_mixes_bench.py.
+
+    ncu --kernel-name regex:AttendTensorCore --launch-skip 2 --launch-count 1 \\
+        python3 bench/profile_paged_attention.py [--mix "TP=8 shard (H=4, KVH=1): long tail 64"]
+
+Four calls; with --mix, the attention and combine kernels of a call are launch pairs
+(`tools/device/run.sh ncu_mixes` profiles the third call's)."""
+
+import argparse
+import os
+import sys
 
 import torch
 
 from torch_xla_ext import sample_inputs
 
-B, L, H, KVH, D, BLOCK = 32, 4096, 32, 8, 128, 16
-inputs = sample_inputs.paged_attention([L] * B, H, KVH, D, BLOCK, torch.bfloat16, device="cuda")
+D, BLOCK = 128, 16
+parser = argparse.ArgumentParser()
+parser.add_argument("--mix", help="a key of decode_mixes_bench.MIXES")
+args = parser.parse_args()
+if args.mix is None:
+    lengths, heads, kv_heads = [4096] * 32, 32, 8
+else:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_mixes_bench import MIXES
+
+    if args.mix not in MIXES:
+        parser.error(f"--mix: expected one of {sorted(MIXES)}, got {args.mix!r}")
+    lengths, heads, kv_heads = MIXES[args.mix]
+inputs = sample_inputs.paged_attention(lengths, heads, kv_heads, D, BLOCK, torch.bfloat16,
+                                       device="cuda")
 for _ in range(4):
     torch.ops.xla_ext.paged_attention(**inputs, scale=D ** -0.5)
 torch.cuda.synchronize()

@@ -31,6 +31,8 @@
 #             heads split over 2 GPUs against 1 GPU, step times and the collective share
 #             -> <gpu>-tp2.json
 #   tp1:      the single-device half of it (any one GPU) -> <gpu>-tp1.json
+#   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
+#             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
 PHASE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -88,7 +90,8 @@ sanitize() {  # tools...
 }
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == tp1 || $PHASE == tp2 ]] \
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == tp1 || $PHASE == tp2 \
+   || $PHASE == ncu_mixes ]] \
   || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
@@ -134,6 +137,25 @@ if [[ $PHASE == tp1 || $PHASE == tp2 ]]; then
   NCCL_NVLS_ENABLE=0 python3 bench/tp_bench.py --tp "${PHASE#tp}" --out "$OUT/$GPU-$PHASE.json" \
     2>&1 | tail -12 | tee -a "$TESTS"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == ncu_mixes ]]; then
+  # The mixes of bench/decode_mixes_bench.py short of their targets on the H100: what holds
+  # the attention kernel and the combine kernel of one call back.
+  command -v ncu > /dev/null || { step "ncu: not installed"; exit 1; }
+  : > "$OUT/$GPU-ncu-mixes.txt"
+  for mix in "TP=8 shard (H=4, KVH=1): long tail 64" "many very short: 256 x 32" \
+             "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256" "1 x 32768 + 31 x 256"; do
+    step "ncu: $mix"
+    echo "== $mix" >> "$OUT/$GPU-ncu-mixes.txt"
+    timeout 150 ncu --kernel-name "regex:AttendTensorCore|CombinePartitions" --launch-skip 4 \
+      --launch-count 2 --section SpeedOfLight --section LaunchStats --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      python3 bench/profile_paged_attention.py --mix "$mix" >> "$OUT/$GPU-ncu-mixes.txt" 2>&1 \
+      || { status=1; echo "ncu failed (see $GPU-ncu-mixes.txt)" | tee -a "$TESTS"; }
+  done
   step "done, status $status"
   exit $status
 fi
