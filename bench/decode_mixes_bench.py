@@ -204,13 +204,14 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--flashinfer", action="store_true")
-    parser.add_argument("--only", help="run only mixes whose name contains this")
+    parser.add_argument("--only", help="run only mixes whose name contains one of these "
+                                       "|-separated strings")
     args = parser.parse_args()
     copy = decode_bench.copy_gbps(args.reps)
     result = {"copy_gbps": round(copy, 1), "device": torch.cuda.get_device_name(),
               "block_size": BLOCK, "head_size": D, "dtype": "bfloat16", "rows": []}
     for mix, (lengths, heads, kv_heads) in MIXES.items():
-        if args.only and args.only not in mix:
+        if args.only and not any(part in mix for part in args.only.split("|")):
             continue
         try:
             rows = mix_rows(mix, lengths, heads, kv_heads, args.reps, copy, args.flashinfer)

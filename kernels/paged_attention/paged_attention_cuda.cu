@@ -35,9 +35,19 @@ namespace {
 #ifndef XLA_EXT_PAGED_ATTENTION_SHARED_KB  // shared memory a CTA's stage ring may use
 #define XLA_EXT_PAGED_ATTENTION_SHARED_KB 200
 #endif
+// Consumer warps (one per kv head of a CTA) an SM should hold at least: a CTA of fewer kv heads
+// gets a smaller share of shared memory, so that more CTAs fit. 1 keeps one CTA of the largest
+// ring per SM, which leaves one consumer warp per SM when a GPU holds one kv head (tensor-
+// parallel shards), and its stages' arithmetic then runs one after another.
+#ifndef XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM
+#define XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM 1
+#endif
 static_assert(XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA >= 1 &&
                   XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA <= tensor_core::kMaxKvHeadsPerCta,
               "the kernel's launch bounds allow at most kMaxKvHeadsPerCta consumer warps");
+
+// Shared memory the driver keeps for itself per resident CTA (sm_80 and later).
+constexpr int kReservedSharedBytes = 1024;
 
 // XLA_EXT_PAGED_ATTENTION_KERNEL=simt selects the CUDA-core kernel everywhere (read once), so
 // that tests and benchmarks can run it on a GPU where the tensor-core kernel would be chosen.
@@ -93,7 +103,12 @@ std::optional<Plan> TensorCorePlanFor(const Shapes& s, const cuda::DeviceInfo& d
   plan.tensor_core = true;
   plan.kv_heads_per_cta = kv_heads;
   plan.layout = tensor_core::Layout::For(kv_heads, kHeadSize, sizeof(T));
-  const int budget = std::min(XLA_EXT_PAGED_ATTENTION_SHARED_KB * 1024, device.max_shared_bytes);
+  const int ctas_per_sm_wanted =
+      cuda::CeilDiv(XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM, kv_heads);
+  const int share = ctas_per_sm_wanted == 1
+                        ? device.max_shared_bytes
+                        : device.max_shared_bytes / ctas_per_sm_wanted - kReservedSharedBytes;
+  const int budget = std::min(XLA_EXT_PAGED_ATTENTION_SHARED_KB * 1024, share);
   plan.num_stages = std::clamp((budget - tensor_core::kHeaderBytes) / plan.layout.stage_bytes, 2,
                                tensor_core::kMaxStages);
   while (plan.num_stages >= 2 &&

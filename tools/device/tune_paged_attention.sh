@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds the kernels once per setting of the XLA_EXT_PAGED_ATTENTION_*
 # knobs of kernels/paged_attention/ (sm_90a only, to build fast) and
-# times paged_attention through XLA GPU for each. One JSON line per setting in $OUT/tune.jsonl.
+# times paged_attention through XLA GPU for each: the five uniform shapes (bench/decode_bench.py),
+# or with MIXES the batch mixes of bench/decode_mixes_bench.py whose names contain one of its
+# |-separated strings. One JSON line per setting in $OUT/tune.jsonl.
 #
-#   SETTINGS="KV_HEADS_PER_CTA=8,L2_PREFETCH_STAGES=1 KV_HEADS_PER_CTA=4,SHARED_KB=100" \
+#   SETTINGS="KV_HEADS_PER_CTA=8,SHARED_KB=200 KV_HEADS_PER_CTA=4,SHARED_KB=100" \
 #     tools/device/tune_paged_attention.sh
+#   SETTINGS="MIN_CONSUMER_WARPS_PER_SM=1 MIN_CONSUMER_WARPS_PER_SM=8" \
+#     MIXES="TP=8|TP=2|many very short|uniform 32" tools/device/tune_paged_attention.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/xla_ext_out}"
@@ -20,8 +24,13 @@ for setting in ${SETTINGS:-PARTITION=512}; do
     tail -20 "$OUT/tune-build.txt"
     continue
   fi
-  python3 bench/decode_bench.py --only xla_ext --skip-add --reps 20 --out "$OUT/tune-last.json" \
-    > /dev/null 2>> "$OUT/tune-errors.txt"
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'setting': sys.argv[2], 'copy_gbps': r['copy_gbps'], 'rows': [(x['shape'], x['time_us'], x['pct_of_copy']) for x in r['rows']]}))" \
+  if [[ -n "${MIXES:-}" ]]; then
+    python3 bench/decode_mixes_bench.py --only "$MIXES" --out "$OUT/tune-last.json" \
+      > /dev/null 2>> "$OUT/tune-errors.txt"
+  else
+    python3 bench/decode_bench.py --only xla_ext --skip-add --reps 20 --out "$OUT/tune-last.json" \
+      > /dev/null 2>> "$OUT/tune-errors.txt"
+  fi
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'setting': sys.argv[2], 'copy_gbps': r['copy_gbps'], 'rows': [(x['shape'], x.get('impl'), x.get('time_us'), x.get('pct_of_copy'), x.get('error')) for x in r['rows'] if x.get('impl') in (None, 'xla_ext', 'uniform_xla_ext')]}))" \
     "$OUT/tune-last.json" "$setting" | tee -a "$OUT/tune.jsonl"
 done
