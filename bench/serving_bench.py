@@ -260,6 +260,7 @@ def main():
 
 
 def run_ours(model, batches, args, result, record):
+    """Our rows (decode at each batch, then mixed) and the profiles, through one engine."""
     t0 = time.perf_counter()
     engine = Engine(model, backend="torchax", dtype=torch.bfloat16, page_size=16,
                     max_num_seqs=max(max(batches), MIXED_DECODES + MIXED_PREFILLS),
