@@ -5,7 +5,11 @@
 Rows: bf16, H=32, KVH=8, D=128, page 16, through XLA GPU (JAX):
   xla_ext     our CUDA handler, jax_ops.ragged_paged_attention;
   xla_native  the same function written in plain JAX (gather each sequence's pages, pad its
-              rows to the batch's longest, masked einsum/softmax/einsum), compiled by XLA.
+              rows to the batch's longest, masked einsum/softmax/einsum), compiled by XLA;
+  flashinfer_prefill  with --flashinfer: FlashInfer 0.2.14's BatchPrefillWithPagedKVCache-
+              Wrapper (causal, right-aligned as ours) on the same pages, split into its K and V
+              caches (NHD), torch CUDA tensors, CUDA-graph replay of a chain of calls
+              (tools/device/flashinfer_tree.sh; eager launches if its run cannot be captured).
 Each row's roofline is max(bytes / copy bandwidth, causal flops / bf16 matmul rate), both
 measured in this run: bytes = q + the K/V rows read + out; flops = 4 * head_dim per (query
 head, query row, visible position). Timing as bench/decode_bench.py (a jitted chain of calls
@@ -74,6 +78,39 @@ def native(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, max_q
     return jnp.zeros_like(q).at[target].set(out, mode="drop")
 
 
+def flashinfer_prefill(data, q_lens, kv_lens):
+    """A call of FlashInfer's paged prefill on `data`'s pages, and what it keeps alive."""
+    import flashinfer
+
+    pages = torch.tensor([-(-n // PAGE) for n in kv_lens])
+    kv_indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    kv_indptr[1:] = pages.cumsum(0)
+    kv_indices = torch.cat([data["page_indices"][i, :int(n)] for i, n in enumerate(pages)])
+    last_page_len = (torch.tensor(kv_lens) - (pages - 1) * PAGE).int()
+    kv_pages = data["kv_pages"].cuda()
+    caches = (kv_pages[:, :, 0::2].contiguous(), kv_pages[:, :, 1::2].contiguous())
+    q = data["q"].cuda()
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(data["cu_q_lens"][:len(q_lens) + 1].cuda(), kv_indptr.cuda(),
+                 kv_indices.int().cuda(), last_page_len.cuda(), H, KVH, D, PAGE, causal=True,
+                 sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    return (lambda: wrapper.run(q, caches)), (wrapper, workspace, caches, q)
+
+
+def flashinfer_row(data, q_lens, kv_lens, reps):
+    """(seconds per call, how it was timed, its output as float32 NumPy)."""
+    import decode_mixes_bench
+
+    call, _keep = flashinfer_prefill(data, q_lens, kv_lens)
+    out = call().float().cpu().numpy()
+    try:
+        return decode_mixes_bench.graph_seconds(call, reps), "cuda_graph", out
+    except RuntimeError:  # a run that cannot be captured: eager launches, GPU time
+        torch.cuda.synchronize()
+        return decode_mixes_bench.eager_seconds(call, reps)[0], "eager", out
+
+
 def chained(attention):
     def chain(length):
         @jax.jit
@@ -90,6 +127,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--flashinfer", action="store_true")
     args = parser.parse_args()
     copy = decode_bench.copy_gbps(args.reps)
     tflops = matmul_tflops(args.reps)
@@ -107,15 +145,24 @@ def main():
             "xla_ext": lambda *a: jax_ops.ragged_paged_attention(*a, sm_scale=SCALE),
             "xla_native": lambda *a, m=max(q_lens): native(*a, SCALE, m),
         }
+        if args.flashinfer:
+            impls["flashinfer_prefill"] = None
         outputs = {}
         for impl, fn in impls.items():
+            timing = "xla_chain"
             try:
-                outputs[impl] = np.asarray(jax.jit(fn)(*inputs), dtype=np.float32)
-                seconds = decode_bench.jax_seconds(chained(fn), inputs, args.reps)
+                if fn is None:
+                    seconds, timing, outputs[impl] = flashinfer_row(data, q_lens, kv_lens,
+                                                                    args.reps)
+                else:
+                    outputs[impl] = np.asarray(jax.jit(fn)(*inputs), dtype=np.float32)
+                    seconds = decode_bench.jax_seconds(chained(fn), inputs, args.reps)
             except Exception as e:  # e.g. the padded native path running out of memory
                 print(f"{name:58} {impl:10} failed: {str(e).splitlines()[0][:120]}", flush=True)
+                rows.append({"op": "ragged_paged_attention", "shape": name, "impl": impl,
+                             "error": repr(e)[:300]})
                 continue
-            row = {"op": "ragged_paged_attention", "shape": name, "impl": impl,
+            row = {"op": "ragged_paged_attention", "shape": name, "impl": impl, "timing": timing,
                    "time_us": round(seconds * 1e6, 1), "bytes": nbytes, "flops": flops,
                    "roofline_us": round(roofline * 1e6, 1),
                    "x_roofline": round(seconds / roofline, 2),
@@ -123,7 +170,8 @@ def main():
             if impl != "xla_ext" and "xla_ext" in outputs:
                 row["max_abs_diff_vs_xla_ext"] = float(np.abs(outputs[impl] -
                                                               outputs["xla_ext"]).max())
-                assert row["max_abs_diff_vs_xla_ext"] < 5e-2, row
+                if impl == "xla_native":  # ours is checked against it; FlashInfer is recorded
+                    assert row["max_abs_diff_vs_xla_ext"] < 5e-2, row
             rows.append(row)
             print(f"{name:58} {impl:10} {row['time_us']:9.1f} us  roofline "
                   f"{row['roofline_us']:8.1f} us  x{row['x_roofline']:.2f}", flush=True)

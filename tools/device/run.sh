@@ -14,7 +14,8 @@
 #   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
 #   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
-#   ragged:   bench/ragged_bench.py -> <gpu>-ragged.json
+#   ragged:   bench/ragged_bench.py, with FlashInfer's paged prefill (carry .fi, as for decode)
+#             -> <gpu>-ragged.json
 #   decode:   paged decode attention on skewed batches: its GPU tests (both kernels, torch and
 #             JAX, memcheck and racecheck), bench/decode_bench.py (the five uniform shapes) and
 #             bench/decode_mixes_bench.py with FlashInfer (tools/device/flashinfer_tree.sh)
@@ -161,9 +162,11 @@ if [[ $PHASE == ncu_mixes ]]; then
 fi
 
 if [[ $PHASE == ragged ]]; then
-  step "ragged paged attention against its roofline: bench/ragged_bench.py"
-  python3 bench/ragged_bench.py --out "$OUT/$GPU-ragged.json" 2>&1 | grep -E " us |copy|failed|Error" \
-    | tee -a "$TESTS" || status=1
+  step "ragged paged attention against its roofline and FlashInfer's paged prefill: bench/ragged_bench.py"
+  FI_TREE=$(tools/device/flashinfer_tree.sh) || status=1
+  PYTHONPATH="$PYTHONPATH:$FI_TREE" FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws TORCH_CUDA_ARCH_LIST=9.0a \
+    timeout 540 python3 bench/ragged_bench.py --flashinfer --out "$OUT/$GPU-ragged.json" 2>&1 | \
+    grep -E " us |copy|failed|Error" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
 fi
