@@ -75,12 +75,13 @@ def _scalar_type(numpy_type):
 
 def _buffers(tensors, ids):
     """The tensors as csrc/eager_runtime.cc takes them: one int64 array of (dtype, address,
-    rank, dims...) per tensor."""
-    packed = []
+    rank, dims...) per tensor; and the index of each tensor's address in it."""
+    packed, address_slots = [], []
     for t, ffi_id in zip(tensors, ids):
         shape = t.shape
+        address_slots.append(len(packed) + 1)
         packed += (ffi_id, t.data_ptr(), len(shape), *shape)
-    return (ctypes.c_int64 * len(packed))(*packed)
+    return (ctypes.c_int64 * len(packed))(*packed), address_slots
 
 
 def _attrs(attrs, keep):
@@ -128,39 +129,55 @@ def _error_buffer():
     return buffer
 
 
-def run(target, inputs, outputs, attrs=None):
-    """Runs `target`'s handler for the tensors' device on `inputs`, writing `outputs` in place.
+class PreparedCall:
+    """A handler call on tensors of given shapes, dtypes and device, checked and packed once:
+    each call then writes only the tensors' addresses (and, on CUDA, the current stream) into
+    the packed buffers. Not for use by two threads at once."""
 
-    attrs: {name: a NumPy scalar (float32, float64, int32, int64, bool) or a str}.
-    Every tensor must be contiguous and on the same device.
-    """
-    device = (inputs[0] if inputs else outputs[0]).device
-    ids = []
-    for what, group in (("inputs", inputs), ("outputs", outputs)):
-        for i, t in enumerate(group):
-            if t.device != device:
-                raise TorchXlaExtError(f"{what}[{i}]: expected a tensor on {device}, got {t.device}")
-            if not t.is_contiguous():
-                raise TorchXlaExtError(f"{what}[{i}]: expected a contiguous tensor")
-            ffi_id = _ffi_id(t.dtype)
-            if ffi_id is None:
-                raise TorchXlaExtError(f"{what}[{i}]: dtype {t.dtype} is not supported")
-            ids.append(ffi_id)
-    platform = _PLATFORMS.get(device.type)
-    if platform is None:
-        raise TorchXlaExtError(f"tensors on {device} cannot run eagerly; expected cpu or cuda")
-    keep = []
-    buffers = _buffers(list(inputs) + list(outputs), ids)
-    attr_array = _attrs(attrs or {}, keep)
-    stream, ordinal = None, 0
-    alloc, free = _NO_ALLOCATOR
-    if platform == "CUDA":
-        ordinal = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch.cuda.current_stream(ordinal).cuda_stream
-        alloc, free = _cuda_allocator(ordinal)
-    err = _error_buffer()
-    status = _runtime().xla_ext_eager_call(
-        _handler(target, platform), stream, ordinal, len(inputs), len(outputs), buffers,
-        len(attr_array), attr_array, alloc, free, None, err, len(err))
-    if status != 0:
-        raise TorchXlaExtError(err.value.decode())
+    def __init__(self, target, inputs, outputs, attrs=None):
+        """For `target`'s handler on the tensors' device. Every tensor must be contiguous and
+        on one device; attrs: {name: a NumPy scalar (float32, float64, int32, int64, bool) or
+        a str}."""
+        device = (inputs[0] if inputs else outputs[0]).device
+        ids = []
+        for what, group in (("inputs", inputs), ("outputs", outputs)):
+            for i, t in enumerate(group):
+                if t.device != device:
+                    raise TorchXlaExtError(
+                        f"{what}[{i}]: expected a tensor on {device}, got {t.device}")
+                if not t.is_contiguous():
+                    raise TorchXlaExtError(f"{what}[{i}]: expected a contiguous tensor")
+                ffi_id = _ffi_id(t.dtype)
+                if ffi_id is None:
+                    raise TorchXlaExtError(f"{what}[{i}]: dtype {t.dtype} is not supported")
+                ids.append(ffi_id)
+        platform = _PLATFORMS.get(device.type)
+        if platform is None:
+            raise TorchXlaExtError(f"tensors on {device} cannot run eagerly; expected cpu or cuda")
+        self._handler = _handler(target, platform)
+        self._num_inputs, self._num_outputs = len(inputs), len(outputs)
+        self._buffers, self._address_slots = _buffers(list(inputs) + list(outputs), ids)
+        self._keep = []
+        self._attrs = _attrs(attrs or {}, self._keep)
+        self._ordinal = None
+        self._alloc, self._free = _NO_ALLOCATOR
+        if platform == "CUDA":
+            self._ordinal = device.index if device.index is not None else torch.cuda.current_device()
+            self._alloc, self._free = _cuda_allocator(self._ordinal)
+
+    def __call__(self, inputs, outputs):
+        """Runs the handler on `inputs`, writing `outputs` in place: contiguous tensors of the
+        shapes, dtypes and device this call was prepared for."""
+        buffers = self._buffers
+        for slot, t in zip(self._address_slots, (*inputs, *outputs)):
+            buffers[slot] = t.data_ptr()
+        ordinal, stream = self._ordinal, None
+        if ordinal is not None:
+            stream = torch.cuda.current_stream(ordinal).cuda_stream
+        err = _error_buffer()
+        status = _runtime().xla_ext_eager_call(
+            self._handler, stream, ordinal or 0, self._num_inputs, self._num_outputs, buffers,
+            len(self._attrs), self._attrs, self._alloc, self._free, None, err, len(err))
+        if status != 0:
+            raise TorchXlaExtError(err.value.decode())
+

@@ -7,6 +7,8 @@ new values instead: what it becomes under functionalization (torch_xla's lazy te
 custom call writing each new value into the old one's buffer (input/output aliasing).
 """
 
+import threading
+
 import torch
 
 from torch_xla_ext import eager
@@ -27,12 +29,60 @@ def _results_like(op, args):
             for shape, dtype in op.results(args)]
 
 
+# Eager calls repeat with the same shapes (every layer of every step), so what depends only on
+# the tensors' shapes, dtypes and device and on the other arguments (the checks, the result
+# shapes, the packed handler call) is kept, per thread, under those; a call that fails its
+# checks is not kept. Data is checked by the handlers at every call.
+_MAX_PREPARED_CALLS = 512
+_prepared = threading.local()
+
+
+def _signature(values):
+    """What the checks and the packed call depend on, hashable: a tensor by shape, dtype and
+    device (type and index: eager tensors are on the CPU or a GPU), anything else by type and
+    value (a float by its exact bits: -0.0 is not 0.0)."""
+    key = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            key.append((v.shape, v.dtype, v.is_cuda, v.get_device()))
+        elif isinstance(v, float):
+            key.append((float, v.hex()))
+        else:
+            key.append((type(v), v))
+    return tuple(key)
+
+
+def _prepared_call(op, args, write_into_arguments):
+    """(the kept eager.PreparedCall or None, the result shapes and dtypes or None, its key)."""
+    calls = getattr(_prepared, "calls", None)
+    if calls is None:
+        calls = _prepared.calls = {}
+    key = (op.name, write_into_arguments, _signature(args[name] for name, *_ in op.arguments))
+    try:
+        return (*calls.get(key, (None, None)), key)
+    except TypeError:  # an unhashable argument: nothing kept for it
+        return None, None, None
+
+
+def _keep_prepared_call(key, prepared, results):
+    if key is None:
+        return
+    calls = _prepared.calls
+    if len(calls) >= _MAX_PREPARED_CALLS:
+        calls.clear()
+    calls[key] = (prepared, results)
+
+
 def _run_eagerly(op, args, write_into_arguments):
-    """Runs the handler on CPU/CUDA tensors. Written operands are updated in place when
-    `write_into_arguments`, else copied first (the op is functional)."""
+    """Checks the arguments and runs the handler on CPU/CUDA tensors. Written operands are
+    updated in place when `write_into_arguments`, else copied first (the op is functional)."""
+    prepared, results, key = _prepared_call(op, args, write_into_arguments)
+    if prepared is None:
+        op.check(**args)
+        results = op.results(args)
     operands = [t.contiguous() for t in op.operand_values(args, _empty)]
     outputs = []
-    for index, (shape, dtype) in enumerate(op.results(args)):
+    for index, (shape, dtype) in enumerate(results):
         if index in op.writes:
             position = op.operands.index(op.writes[index])
             if write_into_arguments:
@@ -47,7 +97,10 @@ def _run_eagerly(op, args, write_into_arguments):
             outputs.append(target)
         else:
             outputs.append(torch.empty(shape, dtype=dtype, device=operands[0].device))
-    eager.run(op.target, operands, outputs, op.attribute_values(args))
+    if prepared is None:
+        prepared = eager.PreparedCall(op.target, operands, outputs, op.attribute_values(args))
+        _keep_prepared_call(key, prepared, results)
+    prepared(operands, outputs)
     return outputs
 
 
@@ -80,9 +133,7 @@ def _functional_impls(op):
     """eager, XLA and fake implementations of a functional op (results returned)."""
 
     def run_eagerly(*args, **kwargs):
-        a = op.bind(args, kwargs)
-        op.check(**a)
-        return _single(_run_eagerly(op, a, write_into_arguments=False))
+        return _single(_run_eagerly(op, op.bind(args, kwargs), write_into_arguments=False))
 
     def run_on_xla(*args, **kwargs):
         a = op.bind(args, kwargs)
@@ -137,9 +188,7 @@ def _register_in_place(op):
     written = op.written_args()
 
     def run_eagerly(*args, **kwargs):
-        a = op.bind(args, kwargs)
-        op.check(**a)
-        _run_eagerly(op, a, write_into_arguments=True)
+        _run_eagerly(op, op.bind(args, kwargs), write_into_arguments=True)
 
     def run_on_xla(*args, **kwargs):
         # Reached only with torch_xla's functionalization off (XLA_DISABLE_FUNCTIONALIZATION=1).

@@ -97,3 +97,33 @@ def test_bad_inputs_raise_clear_errors_and_later_calls_work(xla_device):
                                      torch.ones(4, device=xla_device))
     out = torch.ops.xla_ext.paged_attention(**inputs, scale=0.1)
     assert torch.isfinite(out.cpu()).all()
+
+
+def test_eager_calls_of_one_signature_read_their_own_tensors_and_scalars():
+    """The eager path keeps a checked, packed handler call per signature (shapes, dtypes,
+    device, scalar arguments): calls that share one must still read their own data and
+    scalars, write into their own caches, and a data error must not stick to the signature."""
+    from torch_xla_ext import TorchXlaExtError
+
+    for seed, scale, softcap in ((0, 0.125, 0.0), (1, 0.125, 0.0), (2, 0.5, 0.0), (3, 0.5, 30.0),
+                                 (4, 0.125, 0.0)):
+        inputs = sample_inputs.paged_attention([1, 17, 40], num_heads=8, num_kv_heads=2,
+                                               head_size=64, block_size=16, dtype=torch.float32,
+                                               seed=seed)
+        want = reference.paged_attention_ref(**inputs, scale=scale, softcap=softcap)
+        got = torch.ops.xla_ext.paged_attention(**inputs, scale=scale, softcap=softcap)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+        bad_tables = inputs["block_tables"].clone()
+        bad_tables[2, 0] = 10_000
+        with pytest.raises(TorchXlaExtError, match="argument 'block_tables'"):
+            torch.ops.xla_ext.paged_attention(**{**inputs, "block_tables": bad_tables},
+                                              scale=scale, softcap=softcap)
+
+    key, value = torch.randn(2, 4, 64), torch.randn(2, 4, 64)
+    for slots in ([3, 17], [40, 5]):
+        caches = [torch.zeros(8, 16, 4, 64), torch.zeros(8, 16, 4, 64)]
+        want = reference.reshape_and_cache_ref(key, value, *[c.clone() for c in caches],
+                                               torch.tensor(slots))
+        torch.ops.xla_ext.reshape_and_cache(key, value, *caches, torch.tensor(slots))
+        assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
