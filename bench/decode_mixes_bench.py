@@ -130,21 +130,29 @@ def eager_seconds(fn, reps):
     return statistics.median(gpu) / CHAIN, statistics.median(host) / CHAIN
 
 
+def flashinfer_page_table(block_tables, lengths, page_size):
+    """Our page table as FlashInfer's paged KV cache takes it, on the GPU: each sequence's
+    pages as (indptr, indices, last_page_len), int32."""
+    lengths = torch.as_tensor(lengths).long().cpu()
+    pages = (lengths + page_size - 1) // page_size
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(pages, 0)
+    indices = torch.cat([block_tables[i, :int(n)].cpu() for i, n in enumerate(pages.tolist())])
+    last_page_len = lengths - (pages - 1) * page_size
+    return indptr.cuda(), indices.int().cuda(), last_page_len.int().cuda()
+
+
 def flashinfer_wrappers(data, heads, kv_heads):
     import flashinfer
 
-    lengths = data["seq_lens"].long()
-    pages = (lengths + BLOCK - 1) // BLOCK
-    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32, device="cuda")
-    indptr[1:] = torch.cumsum(pages, 0).int()
-    indices = torch.cat([data["block_tables"][i, :int(p)] for i, p in enumerate(pages.tolist())])
-    last_page_len = (lengths - (pages - 1) * BLOCK).int()
+    indptr, indices, last_page_len = flashinfer_page_table(data["block_tables"],
+                                                           data["seq_lens"], BLOCK)
     wrappers = {}
     for name, tensor_cores in (("flashinfer_cuda_core", False), ("flashinfer_tensor_core", True)):
         workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=tensor_cores)
-        wrapper.plan(indptr, indices.int(), last_page_len, heads, kv_heads, D, BLOCK,
+        wrapper.plan(indptr, indices, last_page_len, heads, kv_heads, D, BLOCK,
                      q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         wrappers[name] = (wrapper, workspace)
     return wrappers

@@ -81,19 +81,17 @@ def native(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, max_q
 def flashinfer_prefill(data, q_lens, kv_lens):
     """A call of FlashInfer's paged prefill on `data`'s pages, and what it keeps alive."""
     import flashinfer
+    from decode_mixes_bench import flashinfer_page_table
 
-    pages = torch.tensor([-(-n // PAGE) for n in kv_lens])
-    kv_indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
-    kv_indptr[1:] = pages.cumsum(0)
-    kv_indices = torch.cat([data["page_indices"][i, :int(n)] for i, n in enumerate(pages)])
-    last_page_len = (torch.tensor(kv_lens) - (pages - 1) * PAGE).int()
+    kv_indptr, kv_indices, last_page_len = flashinfer_page_table(data["page_indices"], kv_lens,
+                                                                 PAGE)
     kv_pages = data["kv_pages"].cuda()
     caches = (kv_pages[:, :, 0::2].contiguous(), kv_pages[:, :, 1::2].contiguous())
     q = data["q"].cuda()
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-    wrapper.plan(data["cu_q_lens"][:len(q_lens) + 1].cuda(), kv_indptr.cuda(),
-                 kv_indices.int().cuda(), last_page_len.cuda(), H, KVH, D, PAGE, causal=True,
+    wrapper.plan(data["cu_q_lens"][:len(q_lens) + 1].cuda(), kv_indptr, kv_indices,
+                 last_page_len, H, KVH, D, PAGE, causal=True,
                  sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     return (lambda: wrapper.run(q, caches)), (wrapper, workspace, caches, q)
 
