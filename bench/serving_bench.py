@@ -235,9 +235,7 @@ def main():
             continue
         for batch in batches:
             if compiled and time.perf_counter() - run_start > args.compile_deadline_s:
-                result["errors"].append({"impl": "hf_compile", "batch": batch, "error":
-                                         f"not run: past --compile-deadline-s "
-                                         f"{args.compile_deadline_s:.0f} s of the run"})
+                result["errors"].append(_past_deadline(args, batch=batch))
                 continue
             try:
                 record(hf_decode(model, batch, args, compiled))
@@ -282,12 +280,16 @@ def run_ours(model, batches, args, result, record):
     result["engine_s"] = round(time.perf_counter() - t0, 1)
 
 
+def _past_deadline(args, **where):
+    return {"impl": "hf_compile", **where, "error": f"not run: past --compile-deadline-s "
+            f"{args.compile_deadline_s:.0f} s of the run"}
+
+
 def hf_compile_in_child(args, run_start, result, record):
     """The torch.compile rows from a child process of this script, into result."""
     left_s = args.compile_deadline_s - (time.perf_counter() - run_start)
-    if left_s <= 0:
-        result["errors"].append({"impl": "hf_compile", "error": f"not run: past "
-                                 f"--compile-deadline-s {args.compile_deadline_s:.0f} s of the run"})
+    if left_s <= 0:  # the child would only say so, after building the model
+        result["errors"].append(_past_deadline(args))
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "hf_compile.json")
