@@ -8,10 +8,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "kernels/common/errors.h"
@@ -125,6 +128,35 @@ inline std::optional<DeviceInfo> CurrentDeviceInfo() {
     }
   });
   return answers[device];
+}
+
+// CTAs of `kernel` an SM holds with `shared_bytes` of dynamic shared memory (0 if the runtime
+// cannot say). The first call per (kernel, device) also opts the kernel in to the device's
+// largest shared memory. Answers are kept: these driver calls cost microseconds, and a decode
+// step calls a handler once per layer.
+inline int CtasPerSm(const void* kernel, const DeviceInfo& device, int threads, int shared_bytes) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, int>, int> answers;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(kernel, device.id, threads, shared_bytes);
+  if (auto it = answers.find(key); it != answers.end()) return it->second;
+  int ctas = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           device.max_shared_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, shared_bytes) !=
+          cudaSuccess) {
+    cudaGetLastError();  // not left behind for the launch check to report
+    return 0;
+  }
+  answers.emplace(key, ctas);
+  return ctas;
+}
+
+// Whether the environment variable `name` is set to `value` (callers keep the answer: it is
+// how tests and benchmarks pick a kernel where the handler would choose another).
+inline bool EnvIs(const char* name, std::string_view value) {
+  const char* set = std::getenv(name);
+  return set != nullptr && value == set;
 }
 
 // Whether the current device takes programmatic dependent launches (Hopper and newer).

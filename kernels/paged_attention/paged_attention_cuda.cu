@@ -9,12 +9,8 @@
 // whose CTAs past a sequence's end return at once).
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 #include "kernels/common/cuda_utils.cuh"
@@ -49,35 +45,11 @@ static_assert(XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA >= 1 &&
 // Shared memory the driver keeps for itself per resident CTA (sm_80 and later).
 constexpr int kReservedSharedBytes = 1024;
 
-// XLA_EXT_PAGED_ATTENTION_KERNEL=simt selects the CUDA-core kernel everywhere (read once), so
-// that tests and benchmarks can run it on a GPU where the tensor-core kernel would be chosen.
+// XLA_EXT_PAGED_ATTENTION_KERNEL=simt selects the CUDA-core kernel everywhere, so that tests and
+// benchmarks can run it on a GPU where the tensor-core kernel would be chosen.
 bool ForceSimt() {
-  static const bool force = [] {
-    const char* kernel = std::getenv("XLA_EXT_PAGED_ATTENTION_KERNEL");
-    return kernel != nullptr && std::string(kernel) == "simt";
-  }();
+  static const bool force = cuda::EnvIs("XLA_EXT_PAGED_ATTENTION_KERNEL", "simt");
   return force;
-}
-
-// CTAs of `kernel` an SM holds with `shared_bytes` of dynamic shared memory. The first call per
-// (kernel, device) also opts the kernel in to the device's largest shared memory. Answers are
-// kept: these driver calls cost microseconds, and a decode step calls us once per layer.
-int CtasPerSm(const void* kernel, const cuda::DeviceInfo& device, int threads, int shared_bytes) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int>, int> answers;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(kernel, device.id, threads, shared_bytes);
-  if (auto it = answers.find(key); it != answers.end()) return it->second;
-  int ctas = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           device.max_shared_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, shared_bytes) !=
-          cudaSuccess) {
-    cudaGetLastError();  // not left behind for the launch check to report
-    return 0;
-  }
-  answers.emplace(key, ctas);
-  return ctas;
 }
 
 // How a call is split: for the CUDA-core kernel partitions per sequence; for the tensor-core
@@ -117,7 +89,7 @@ std::optional<Plan> TensorCorePlanFor(const Shapes& s, const cuda::DeviceInfo& d
   }
   if (plan.num_stages < 2) return std::nullopt;
 
-  const int ctas_per_sm = CtasPerSm(
+  const int ctas_per_sm = cuda::CtasPerSm(
       reinterpret_cast<const void*>(&tensor_core::AttendTensorCoreKernel<T, kHeadSize, kHighRows>),
       device, (kv_heads + 1) * 32, tensor_core::SharedBytes(plan.layout, plan.num_stages));
   if (ctas_per_sm == 0) return std::nullopt;
