@@ -126,6 +126,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--flashinfer", action="store_true")
+    parser.add_argument("--impls", default="xla_ext,xla_native",
+                        help="comma-separated: xla_ext, xla_native (FlashInfer: --flashinfer)")
     args = parser.parse_args()
     copy = decode_bench.copy_gbps(args.reps)
     tflops = matmul_tflops(args.reps)
@@ -143,6 +145,7 @@ def main():
             "xla_ext": lambda *a: jax_ops.ragged_paged_attention(*a, sm_scale=SCALE),
             "xla_native": lambda *a, m=max(q_lens): native(*a, SCALE, m),
         }
+        impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
         if args.flashinfer:
             impls["flashinfer_prefill"] = None
         outputs = {}
@@ -174,9 +177,9 @@ def main():
             print(f"{name:58} {impl:10} {row['time_us']:9.1f} us  roofline "
                   f"{row['roofline_us']:8.1f} us  x{row['x_roofline']:.2f}", flush=True)
         del inputs
-    with open(args.out, "w") as f:
-        json.dump({"copy_gbps": round(copy, 1), "matmul_tflops": round(tflops, 1),
-                   "rows": rows}, f, indent=1)
+        with open(args.out, "w") as f:  # after every mix: a run cut short keeps its rows
+            json.dump({"copy_gbps": round(copy, 1), "matmul_tflops": round(tflops, 1),
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@
 //   q_len > kv_len (after the clamp) gives zeros for all its rows; positions in a page id
 //   outside [0, total_num_pages) are skipped (no weight; a row left with none gives zeros).
 //   Only a row's own q row, its sequence's entries and its pages' K/V rows are read.
+//   The tensor-core kernel (attend_tensor_core.cuh) clamps the same way but finds rows from
+//   sequences, not sequences from rows: sequence i owns rows cu_q_lens[i]..cu_q_lens[i + 1],
+//   both clamped into [cu_q_lens[0], cu_q_lens[num_seqs]], none if they decrease; with
+//   non-monotone entries two sequences may claim a row, which then gets one of their results.
 //   With XLA_EXT_DEBUG_CHECKS set it runs DataChecks on the device first and returns the Host
 //   handler's error (kernels/common/debug_checks.cuh).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_

@@ -253,6 +253,29 @@ def test_long_rows_with_window_and_soft_cap():
           attrs=attributes(64, sliding_window=700, soft_cap=20.0))
 
 
+# Batches whose work is far from even: on CUDA the tensor-core kernel splits a long decode and
+# a long prefill chunk's tiles over many CTAs, and a CTA holds many short sequences' tiles.
+SKEWED = {
+    "one long decode among short": [(1, 5000)] + [(1, 40)] * 30,
+    "long prefill chunk beside decodes": [(300, 1200), (1, 1), (1, 17), (1, 300)],
+    "empty sequences": [(0, 0), (1, 65), (0, 30), (129, 129), (0, 0)],
+    "all empty but one": [(0, 0)] * 5 + [(40, 900)],
+    "lengths about a stage": [(1, 63), (1, 64), (1, 65), (64, 64), (65, 65), (63, 129)],
+}
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(16, 1), (8, 8), (8, 2)], ids=str)
+@pytest.mark.parametrize("mix", SKEWED, ids=str)
+def test_skewed_batches(mix, num_q_heads, num_kv_heads):
+    check(SKEWED[mix], num_q_heads, num_kv_heads, 128, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [50, 700])
+def test_skewed_batches_with_window(window):
+    check(SKEWED["long prefill chunk beside decodes"], 8, 2, 64, 32, torch.float16,
+          attrs=attributes(64, sliding_window=window, soft_cap=30.0))
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_batches(seed):
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -289,9 +312,8 @@ def test_torch_xla_reference_runs_on_cpu():
 
 # --- bad inputs ---------------------------------------------------------------------------
 
-def _inputs():
-    return make_inputs([(3, 10), (1, 20)], 4, 2, 64, 8, torch.float32, max_num_seqs=3,
-                       num_tokens=6)
+def _inputs(dtype=torch.float32):
+    return make_inputs([(3, 10), (1, 20)], 4, 2, 64, 8, dtype, max_num_seqs=3, num_tokens=6)
 
 
 def _with(inputs, index, tensor):
@@ -389,13 +411,14 @@ def test_host_ignores_entries_past_num_seqs():
                  torch.float32)
 
 
-def test_cuda_bad_data():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # both CUDA kernels
+def test_cuda_bad_data(dtype):
     """What ragged_paged_attention.h says the CUDA handler does with bad data."""
     if HANDLERS_CHECK_DATA:
         pytest.skip("the handler rejects bad data (test_host_rejects_bad_data)")
     attrs = attributes(64)
     ref = functools.partial(reference.ragged_paged_attention_ref, **attrs)
-    inputs = _inputs()
+    inputs = _inputs(dtype)
 
     # num_seqs beyond max_num_seqs: clamped (sequence 2 owns rows 4..5 once cu_q_lens says so).
     bad = [t.clone() for t in inputs]
@@ -404,28 +427,28 @@ def test_cuda_bad_data():
     good[5][0] = 3
     good[3][2] = good[3][0]
     bad[3][2] = good[3][2]
-    assert_close(run(bad, attrs), ref(*good), torch.float32)
+    assert_close(run(bad, attrs), ref(*good), dtype)
 
     # kv_len beyond the page table: clamped to its 24 tokens.
     bad = [t.clone() for t in inputs]
     bad[2][1] = 1000
     good = [t.clone() for t in bad]
     good[2][1] = 24
-    assert_close(run(bad, attrs), ref(*good), torch.float32)
+    assert_close(run(bad, attrs), ref(*good), dtype)
 
     # q_len > kv_len: the sequence's rows are zeros; the others are right.
     bad = [t.clone() for t in inputs]
     bad[2][0] = 2
     out = run(bad, attrs)
     assert torch.all(out[:3] == 0)
-    assert_close(out[3:], ref(*inputs)[3:], torch.float32)
+    assert_close(out[3:], ref(*inputs)[3:], dtype)
 
     # Every page of sequence 1 out of range: no position left, zeros.
     bad = [t.clone() for t in inputs]
     bad[3][1, :] = 10 ** 6
     out = run(bad, attrs)
     assert torch.all(out[3] == 0)
-    assert_close(out[:3], ref(*inputs)[:3], torch.float32)
+    assert_close(out[:3], ref(*inputs)[:3], dtype)
 
     # Non-monotone cu_q_lens: no fault, finite values, rows past the last entry zero.
     bad = [t.clone() for t in inputs]

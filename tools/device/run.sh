@@ -14,8 +14,11 @@
 #   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
 #   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
-#   ragged:   bench/ragged_bench.py, with FlashInfer's paged prefill (carry .fi, as for decode)
-#             -> <gpu>-ragged.json
+#   ragged:   ragged paged attention: its GPU tests through JAX (tensor-core kernel, then
+#             CUDA-core kernel; memcheck and racecheck over the skewed batches), then
+#             bench/ragged_bench.py, with FlashInfer's paged prefill unless RAGGED_FLASHINFER=0
+#             (carry .fi, as for decode); RAGGED_TESTS=0 skips the tests, RAGGED_IMPLS picks
+#             the other rows -> <gpu>-ragged-tests.txt, <gpu>-ragged.json
 #   decode:   paged decode attention on skewed batches: its GPU tests (both kernels, torch and
 #             JAX, memcheck and racecheck), bench/decode_bench.py (the five uniform shapes) and
 #             bench/decode_mixes_bench.py with FlashInfer (tools/device/flashinfer_tree.sh)
@@ -32,6 +35,9 @@
 #             heads split over 2 GPUs against 1 GPU, step times and the collective share
 #             -> <gpu>-tp2.json
 #   tp1:      the single-device half of it (any one GPU) -> <gpu>-tp1.json
+#   ncu_ragged: Nsight Compute on the ragged attention kernels (tensor-core kernel and its
+#             combine) of two bench/ragged_bench.py mixes, a decode and a prefill
+#             (bench/profile_ragged_attention.py --mix) -> <gpu>-ncu-ragged.txt
 #   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
 #             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
@@ -48,6 +54,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == decode ]] && TESTS="$OUT/$GPU-decode-tests.txt"
+[[ $PHASE == ragged ]] && TESTS="$OUT/$GPU-ragged-tests.txt"
 [[ $PHASE == serving ]] && TESTS="$OUT/$GPU-serving-summary.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
@@ -91,8 +98,8 @@ sanitize() {  # tools...
 }
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == ragged || $PHASE == tp1 || $PHASE == tp2 \
-   || $PHASE == ncu_mixes ]] \
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == tp1 || $PHASE == tp2 \
+   || $PHASE == ncu_mixes || $PHASE == ncu_ragged ]] \
   || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
@@ -161,12 +168,49 @@ if [[ $PHASE == ncu_mixes ]]; then
   exit $status
 fi
 
+if [[ $PHASE == ncu_ragged ]]; then
+  command -v ncu > /dev/null || { step "ncu: not installed"; exit 1; }
+  : > "$OUT/$GPU-ncu-ragged.txt"
+  for mix in "decode 64 x 2048" "prefill 4 x 2048"; do
+    step "ncu: ragged $mix"
+    echo "== $mix" >> "$OUT/$GPU-ncu-ragged.txt"
+    timeout 120 ncu --kernel-name "regex:AttendKernel|CombineKernel" --launch-skip 4 --launch-count 2 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+      python3 bench/profile_ragged_attention.py --mix "$mix" >> "$OUT/$GPU-ncu-ragged.txt" 2>&1 \
+      || { status=1; echo "ncu failed (see $GPU-ncu-ragged.txt)" | tee -a "$TESTS"; }
+  done
+  step "done, status $status"
+  exit $status
+fi
+
 if [[ $PHASE == ragged ]]; then
+  if [[ ${RAGGED_TESTS:-1} != 0 ]]; then
+    step "ragged paged attention through JAX on the GPU: the handler's choice, then each kernel everywhere"
+    XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/kernels/test_ragged_paged_attention.py 2>&1 | \
+      tail -3 | tee -a "$TESTS" || status=1
+    for kernel in tensor_core simt; do
+      XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
+        tests/kernels/test_ragged_paged_attention.py 2>&1 | tail -1 | sed "s/^/$kernel kernel: /" | \
+        tee -a "$TESTS" || status=1
+    done
+    for tool in memcheck racecheck; do
+      XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=tensor_core sanitize_run "$tool" 0 \
+        "skewed batches and bad data, tensor-core kernel" \
+        tests/kernels/test_ragged_paged_attention.py -k "skewed or bad_data or padding or window"
+    done
+  fi
   step "ragged paged attention against its roofline and FlashInfer's paged prefill: bench/ragged_bench.py"
-  FI_TREE=$(tools/device/flashinfer_tree.sh) || status=1
-  PYTHONPATH="$PYTHONPATH:$FI_TREE" FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws TORCH_CUDA_ARCH_LIST=9.0a \
-    timeout 540 python3 bench/ragged_bench.py --flashinfer --out "$OUT/$GPU-ragged.json" 2>&1 | \
-    grep -E " us |copy|failed|Error" | tee -a "$TESTS" || status=1
+  FLASHINFER=()
+  if [[ ${RAGGED_FLASHINFER:-1} != 0 ]]; then
+    FI_TREE=$(tools/device/flashinfer_tree.sh) && FLASHINFER=(--flashinfer) || status=1
+    export PYTHONPATH="$PYTHONPATH:$FI_TREE" FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws \
+      TORCH_CUDA_ARCH_LIST=9.0a
+  fi
+  timeout "${RAGGED_BENCH_TIMEOUT:-540}" python3 bench/ragged_bench.py "${FLASHINFER[@]}" \
+    --impls "${RAGGED_IMPLS:-xla_ext,xla_native}" \
+    --out "$OUT/$GPU-ragged.json" 2>&1 | grep -E " us |copy|failed|Error" | tee -a "$TESTS" \
+    || status=1
   step "done, status $status"
   exit $status
 fi

@@ -1,0 +1,590 @@
+// Ragged paged attention on tensor cores (mma.sync m16n8k16, FlashAttention-2 layout) for
+// f16/bf16 queries and caches, sm_80 and newer: prefill chunks and decodes in one launch, the
+// work split between the CTAs on the device by the actual q and kv lengths.
+// - A tile is kTileRows query rows of one sequence and one kv head: TileTokens(group)
+//   consecutive query tokens times the group's query heads (row = token * group + head), so
+//   every K/V row a tile loads serves all of them. Each block of 16 rows is the A operand of
+//   S = Q K^T for one warp; a tile of one or two blocks (decodes, short chunks) has several
+//   warps per block, each taking its share of every stage's positions, merged at the tile's
+//   end.
+// - A tile attends to kv positions from its first token's window start (0 without a window) to
+//   its last token's position, in stages of kStageTokens positions: its units of work. The
+//   units of every tile of every sequence, in order, are split evenly between the CTAs of a kv
+//   head (kernels/common/balanced_split.cuh, the decode kernel's scheduler, with a sequence's
+//   units the stages of its tiles). A CTA walks its range of (tile, stage) units; a tile may
+//   span CTAs, a CTA may hold many tiles.
+// - Stages stream through a ring of kStages shared-memory buffers by cp.async (every thread
+//   copies 16-byte chunks), zero-filled for positions past the tile's last one or in a page
+//   outside the cache (those also get no weight), with one CTA barrier per stage. Warps skip
+//   stages their rows cannot see.
+// - Measured on the H100 (bench/README.md, "Ragged paged attention"): the stage loop is bound
+//   by issue and latency, not bytes; decode steps run the CUDA-core kernel instead.
+// - A tile one CTA holds whole is written to `out` directly. Only a CTA's first and last tiles
+//   can be pieces of a split tile: their (max, sum, unnormalised output) rows go to records
+//   2 * CTA (first) and 2 * CTA + 1 (last), so the host sizes the records by the grid alone.
+//   The CTA holding a tile's first stage tells its tokens' rows where their records are
+//   (row_pieces); CombineKernel merges them, and writes zeros to rows no tile holds (padding,
+//   sequences with q_len > kv_len).
+#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
+#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/common/balanced_split.cuh"
+#include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/sm90.cuh"
+
+namespace xla_ext::ragged_paged_attention::tensor_core {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileRows = kWarps * 16;
+constexpr int kStageTokens = 64;  // kv positions per stage: 8 n8 tiles of S, 4 k16 steps of P V
+constexpr int kStages = 3;
+constexpr int kMinCtaStages = 2;  // the fewest units a CTA takes
+constexpr int kRowPadding = 16;   // bytes: ldmatrix's 8 rows fall in distinct banks
+
+// Query tokens per tile with GQA groups of `group` heads.
+__host__ __device__ constexpr int TileTokens(int group) { return kTileRows / group; }
+
+struct Params {
+  const void* q;
+  const void* kv_pages;
+  const int32_t* kv_lens;
+  const int32_t* page_indices;
+  const int32_t* cu_q_lens;
+  const int32_t* num_seqs;
+  void* out;
+  // Per query token: {first record, pieces, the tile's first token, 0}; pieces 1: written
+  // directly; all zero (the host clears them): no tile holds the token.
+  int4* row_pieces;
+  // Records [num_kv_heads, num_records, kTileRows] (partial_out: x head_dim).
+  float* partial_out;
+  float* partial_max;
+  float* partial_sum;
+  int num_records;  // per kv head: 2 * gridDim.x
+  int num_tokens;
+  int num_q_heads;
+  int num_kv_heads;
+  int group_size;
+  int tile_tokens;
+  int num_pages;
+  int log2_page_size;
+  int pages_per_seq;
+  int max_num_seqs;
+  float score_scale;  // sm_scale * k_scale
+  float soft_cap;
+  float v_scale;
+  int sliding_window;
+};
+
+// A sequence as the kernel uses it: entries clamped into range (ragged_paged_attention.h);
+// q_len 0 when the entries make no sense (q_len > kv_len, decreasing cu_q_lens).
+struct Sequence {
+  int q_start;
+  int q_len;
+  int kv_len;
+};
+
+__device__ __forceinline__ int NumSeqs(const Params& p) {
+  return min(max(__ldg(p.num_seqs), 0), p.max_num_seqs);
+}
+
+// Rows are owned only from cu_q_lens[0] up to cu_q_lens[num_seqs] (ragged_paged_attention.h):
+// a sequence's rows are clamped into them.
+__device__ __forceinline__ Sequence ReadSequence(const Params& p, int i) {
+  const int first_row = min(max(__ldg(p.cu_q_lens), 0), p.num_tokens);
+  const int end_row = min(max(__ldg(p.cu_q_lens + NumSeqs(p)), first_row), p.num_tokens);
+  const int q_start = min(max(__ldg(p.cu_q_lens + i), first_row), end_row);
+  const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), first_row), end_row);
+  const int kv_len = min(max(__ldg(p.kv_lens + i), 0), p.pages_per_seq << p.log2_page_size);
+  const int q_len = q_end - q_start;
+  return {q_start, q_len > 0 && q_len <= kv_len ? q_len : 0, kv_len};
+}
+
+struct Tile {
+  int first_token;  // within the sequence
+  int tokens;
+  int first_pos;    // the first token's kv position
+  int first_stage;  // of the sequence's kv positions
+  int stages;
+};
+
+__device__ __forceinline__ int TilesOf(const Params& p, const Sequence& s) {
+  return (s.q_len + p.tile_tokens - 1) / p.tile_tokens;
+}
+
+__device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j) {
+  Tile t;
+  t.first_token = j * p.tile_tokens;
+  t.tokens = min(p.tile_tokens, s.q_len - t.first_token);
+  t.first_pos = s.kv_len - s.q_len + t.first_token;
+  const int end = t.first_pos + t.tokens;  // past the last token's position
+  const int begin = p.sliding_window > 0 ? max(0, t.first_pos - p.sliding_window + 1) : 0;
+  t.first_stage = begin / kStageTokens;
+  t.stages = (end + kStageTokens - 1) / kStageTokens - t.first_stage;
+  return t;
+}
+
+__device__ __forceinline__ int UnitsOf(const Params& p, int seq) {
+  const Sequence s = ReadSequence(p, seq);
+  int units = 0;
+  for (int j = 0, tiles = TilesOf(p, s); j < tiles; ++j) units += TileOf(p, s, j).stages;
+  return units;
+}
+
+// A walk over consecutive units (every thread of the CTA holds the same one).
+struct UnitWalk {
+  int seq;
+  Sequence s;
+  int tile;
+  Tile t;
+  int tile_begin;  // the unit (of the whole list) where the tile starts
+  int stage;       // within the tile
+
+  // Starts at `unit`, which lies in sequence `seq`, whose units start at `seq_begin`.
+  __device__ void Start(const Params& p, int first_seq, int seq_begin, int unit) {
+    seq = first_seq;
+    s = ReadSequence(p, seq);
+    tile = 0;
+    t = TileOf(p, s, 0);
+    tile_begin = seq_begin;
+    while (unit >= tile_begin + t.stages) {
+      tile_begin += t.stages;
+      t = TileOf(p, s, ++tile);
+    }
+    stage = unit - tile_begin;
+  }
+
+  // To the next unit; the caller knows there is one.
+  __device__ void Next(const Params& p) {
+    if (++stage < t.stages) return;
+    stage = 0;
+    tile_begin += t.stages;
+    if (++tile < TilesOf(p, s)) {
+      t = TileOf(p, s, tile);
+      return;
+    }
+    do {
+      s = ReadSequence(p, ++seq);
+    } while (s.q_len == 0);
+    tile = 0;
+    t = TileOf(p, s, 0);
+  }
+
+  __device__ int FirstPosition() const { return (t.first_stage + stage) * kStageTokens; }
+};
+
+// Shared memory: the stages' token masks and the scheduler's scratch, then the stages (K rows,
+// then V rows, of kStageTokens positions each), then where warps that split a stage's positions
+// meet at the end of a tile (per warp: 16 rows of output, maxima, sums).
+constexpr int kScheduleScratchInts = cuda::balanced::ScratchInts(kThreads);
+constexpr int kHeaderBytes =
+    (kStages * kStageTokens + kScheduleScratchInts * static_cast<int>(sizeof(int)) + 15) / 16 * 16;
+
+template <typename T, int kHeadDim>
+struct Layout {
+  static constexpr int kRowStride = kHeadDim * sizeof(T) + kRowPadding;  // bytes
+  static constexpr int kStageBytes = 2 * kStageTokens * kRowStride;
+  static constexpr int kMergeBytes = kWarps * 16 * (kHeadDim + 2) * sizeof(float);
+  static constexpr int kSharedBytes = kHeaderBytes + kStages * kStageBytes + kMergeBytes;
+  static constexpr int kRowChunks = kHeadDim * sizeof(T) / 16;  // 16-byte copies per K row
+  static constexpr int kStageChunks = 2 * kStageTokens * kRowChunks;
+  static_assert(kStageChunks % kThreads == 0, "every thread copies the same number of chunks");
+};
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  namespace sm90 = cuda::sm90;
+  using L = Layout<T, kHeadDim>;
+  constexpr int kSteps = kHeadDim / 16;  // k16 steps of Q K^T
+  constexpr int kTiles = kHeadDim / 8;   // n8 tiles of O
+  constexpr int kScoreTiles = kStageTokens / 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint8_t* token_valid = smem;  // [kStages][kStageTokens]
+  int* schedule_scratch = reinterpret_cast<int*>(smem + kStages * kStageTokens);
+  unsigned char* stages = smem + kHeaderBytes;
+  float* merge_out = reinterpret_cast<float*>(stages + kStages * L::kStageBytes);
+  float* merge_max = merge_out + kWarps * 16 * kHeadDim;
+  float* merge_sum = merge_max + kWarps * 16;
+
+  const int kv_head = blockIdx.y;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group = p.group_size;
+  const int num_seqs = NumSeqs(p);
+  const cuda::balanced::Range range = cuda::balanced::LocateRange(
+      num_seqs, kMinCtaStages, [&](int seq) { return UnitsOf(p, seq); }, schedule_scratch);
+  if (range.begin >= range.end) return;  // more CTAs than units
+  const int num_iters = range.end - range.begin;
+
+  // Copies of one stage: thread c copies chunks c, c + kThreads, ...; a position's K row and V
+  // row are adjacent in the cache (combined heads 2h and 2h + 1), so chunk i of a position is
+  // its K row's for i < kRowChunks and its V row's after.
+  const T* kv = static_cast<const T*>(p.kv_pages);
+  const int64_t position_stride = int64_t{2} * p.num_kv_heads * kHeadDim;  // elements
+  const int offset_mask = (1 << p.log2_page_size) - 1;
+  const auto load_stage = [&](const UnitWalk& w, int slot) {
+    const int first_pos = w.FirstPosition();
+    const int end = w.t.first_pos + w.t.tokens;
+    const int32_t* pages =
+        p.page_indices + static_cast<int64_t>(w.seq) * p.pages_per_seq;
+    unsigned char* stage = stages + slot * L::kStageBytes;
+    // Every page id first, then every copy: a copy waiting on its page id before the next id
+    // is loaded would cost one L2 round trip per chunk.
+    constexpr int kChunksPerThread = L::kStageChunks / kThreads;
+    int64_t offsets[kChunksPerThread];
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int pos = first_pos + (i * kThreads + threadIdx.x) / (2 * L::kRowChunks);
+      const int page = pos < end ? __ldg(pages + (pos >> p.log2_page_size)) : -1;
+      offsets[i] = page >= 0 && page < p.num_pages
+                       ? ((static_cast<int64_t>(page) << p.log2_page_size) + (pos & offset_mask)) *
+                                 position_stride + int64_t{2} * kv_head * kHeadDim
+                       : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int chunk = i * kThreads + threadIdx.x;
+      const int token = chunk / (2 * L::kRowChunks);
+      const int part = chunk % (2 * L::kRowChunks);
+      const int64_t offset = offsets[i];
+      const bool is_v = part >= L::kRowChunks;
+      const uint32_t dst = sm90::SharedAddress(
+          stage + (is_v ? kStageTokens * L::kRowStride : 0) + token * L::kRowStride +
+          (part - (is_v ? L::kRowChunks : 0)) * 16);
+      sm90::CopyAsync16(dst, offset >= 0 ? kv + offset + part * (16 / sizeof(T)) : kv,
+                        offset >= 0);
+      if (part == 0) token_valid[slot * kStageTokens + token] = offset >= 0;
+    }
+  };
+
+  // The loads run kStages - 1 units ahead of the arithmetic.
+  UnitWalk loads;
+  loads.Start(p, range.first_seq, range.first_seq_begin, range.begin);
+  UnitWalk work = loads;
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < num_iters) {
+      if (i > 0) loads.Next(p);
+      load_stage(loads, i);
+    }
+    sm90::CommitCopies();
+  }
+
+  // A tile's rows come in blocks of 16, one per warp. A tile of one or two blocks (decodes,
+  // short chunks) would leave most warps idle, and one warp's arithmetic per stage is slower
+  // than the stage's copies: then `slices` warps share each block, warp `slice` taking the
+  // 16-position slices m of a stage with m % slices == slice, and they merge at the tile's end.
+  // Rows of this lane: lo = 16 * row_block + lane / 4 and hi = lo + 8; the A fragments hold
+  // columns 2 * (lane % 4) + {0, 1} and + 8 of each k16 step.
+  const int col = 2 * (lane % 4);
+  int row_blocks = 1, slices = 1, row_block = 0, slice = 0;
+  int rows[2] = {0, 0};
+  uint32_t qa[kSteps][4];
+  float running_max[2], running_sum[2];
+  float o[kTiles][4];
+  // The tile in progress: its rows' tokens (in the batch; -1: a row past its tokens) and
+  // positions, and the positions the warp's rows may see.
+  int row_token[2], row_pos[2];
+  int warp_first_pos = 0, warp_last_pos = -1;
+  int piece_first_unit = 0;  // where this CTA's piece of it started
+  bool piece_from_start = false;
+
+  const auto start_tile = [&](const UnitWalk& w) {
+    const int first_token = w.s.q_start + w.t.first_token;
+    row_blocks = (w.t.tokens * group + 15) / 16;
+    slices = row_blocks <= 2 ? 4 : row_blocks <= 4 ? 2 : 1;
+    row_block = warp % row_blocks;
+    slice = warp / row_blocks;  // >= slices: the warp has no part in this tile
+    const bool active = slice < slices;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rows[r] = 16 * row_block + lane / 4 + 8 * r;
+      const int token = rows[r] / group;
+      const bool valid = active && token < w.t.tokens;
+      row_token[r] = valid ? first_token + token : -1;
+      row_pos[r] = w.t.first_pos + token;
+      const T* q = static_cast<const T*>(p.q) +
+                   (static_cast<int64_t>(valid ? row_token[r] : 0) * p.num_q_heads +
+                    kv_head * group + rows[r] % group) * kHeadDim + col;
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        qa[step][r] = valid ? *reinterpret_cast<const uint32_t*>(q + step * 16) : 0u;
+        qa[step][r + 2] = valid ? *reinterpret_cast<const uint32_t*>(q + step * 16 + 8) : 0u;
+      }
+      running_max[r] = -INFINITY;
+      running_sum[r] = 0.0f;
+    }
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+    const int warp_first_token = (16 * row_block) / group;
+    const int warp_last_token = min((16 * row_block + 15) / group, w.t.tokens - 1);
+    warp_first_pos = w.t.first_pos + warp_first_token;
+    warp_last_pos = active ? w.t.first_pos + warp_last_token : -1;
+    if (w.stage == 0 && blockIdx.y == 0 && threadIdx.x < w.t.tokens) {
+      // This CTA holds the tile's first stage: say where its rows' results will be.
+      const int last_cta = (w.tile_begin + w.t.stages - 1) / range.chunk;
+      const int first_record = 2 * blockIdx.x + (w.tile_begin == range.begin ? 0 : 1);
+      p.row_pieces[first_token + threadIdx.x] =
+          make_int4(first_record, last_cta - static_cast<int>(blockIdx.x) + 1, first_token, 0);
+    }
+  };
+
+  // Writes this CTA's piece of the tile: `out` itself when it is the whole tile, else its
+  // record (2 * CTA, or 2 * CTA + 1 when the piece is not the CTA's first).
+  const auto finish_tile = [&](bool whole) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 1);
+      running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 2);
+    }
+    if (slices > 1) {  // the same for the whole CTA
+      // Warps of slices 1.. hand their state to the block's slice-0 warp.
+      const int row16[2] = {lane / 4, lane / 4 + 8};
+      if (slice > 0 && slice < slices) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float* dst = merge_out + (warp * 16 + row16[r]) * kHeadDim + col;
+#pragma unroll
+          for (int n = 0; n < kTiles; ++n) {
+            *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+          }
+          if (lane % 4 == 0) {
+            merge_max[warp * 16 + row16[r]] = running_max[r];
+            merge_sum[warp * 16 + row16[r]] = running_sum[r];
+          }
+        }
+      }
+      // (The next tile's hand-over comes after the next stage's barrier: no second one.)
+      __syncthreads();
+      if (slice != 0) return;
+      for (int other = 1; other < slices; ++other) {
+        const int from = other * row_blocks + row_block;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float their_max = merge_max[from * 16 + row16[r]];
+          const float new_max = fmaxf(running_max[r], their_max);
+          const float mine = new_max == -INFINITY ? 0.0f : __expf(running_max[r] - new_max);
+          const float theirs = new_max == -INFINITY ? 0.0f : __expf(their_max - new_max);
+          running_sum[r] = running_sum[r] * mine + merge_sum[from * 16 + row16[r]] * theirs;
+          running_max[r] = new_max;
+          const float* src = merge_out + (from * 16 + row16[r]) * kHeadDim + col;
+#pragma unroll
+          for (int n = 0; n < kTiles; ++n) {
+            const float2 v = *reinterpret_cast<const float2*>(src + n * 8);
+            o[n][2 * r] = o[n][2 * r] * mine + v.x * theirs;
+            o[n][2 * r + 1] = o[n][2 * r + 1] * mine + v.y * theirs;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (row_token[r] < 0) continue;
+      const int head = kv_head * group + rows[r] % group;
+      if (whole) {
+        const float scale = running_sum[r] > 0.0f ? p.v_scale / running_sum[r] : 0.0f;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(
+            static_cast<T*>(p.out) +
+            (static_cast<int64_t>(row_token[r]) * p.num_q_heads + head) * kHeadDim + col);
+#pragma unroll
+        for (int n = 0; n < kTiles; ++n) {
+          dst[n * 4] = sm90::Pack<T>(o[n][2 * r] * scale, o[n][2 * r + 1] * scale);
+        }
+      } else {
+        const int record = 2 * blockIdx.x + (piece_first_unit == range.begin ? 0 : 1);
+        const int64_t at =
+            (static_cast<int64_t>(kv_head) * p.num_records + record) * kTileRows + rows[r];
+        float2* dst = reinterpret_cast<float2*>(p.partial_out + at * kHeadDim + col);
+#pragma unroll
+        for (int n = 0; n < kTiles; ++n) dst[n * 4] = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        if (lane % 4 == 0) {
+          p.partial_max[at] = running_max[r];
+          p.partial_sum[at] = running_sum[r];
+        }
+      }
+    }
+  };
+
+  // ldmatrix row addresses of this lane relative to a stage's K or V rows (as in the decode
+  // kernel): K, matrix j = lane / 8 is (positions 8 * (j / 2).., columns 8 * (j % 2)..);
+  // V, transposed: (positions 8 * (j % 2).., columns 8 * (j / 2)..).
+  const int j = lane / 8;
+  const int k_lane = ((j / 2) * 8 + lane % 8) * L::kRowStride + (j % 2) * 8 * sizeof(T);
+  const int v_lane = ((j % 2) * 8 + lane % 8) * L::kRowStride + (j / 2) * 8 * sizeof(T);
+
+  for (int iter = 0; iter < num_iters; ++iter) {
+    const int slot = iter % kStages;
+    // This thread's copies of stage iter have landed; the barrier makes every thread's
+    // visible, and says every warp is done with the buffer the next copies go to.
+    sm90::WaitCopies<kStages - 2>();
+    __syncthreads();
+    if (iter + kStages - 1 < num_iters) {
+      loads.Next(p);
+      load_stage(loads, (iter + kStages - 1) % kStages);
+    }
+    sm90::CommitCopies();
+
+    if (work.stage == 0 || iter == 0) {
+      start_tile(work);
+      piece_first_unit = range.begin + iter;
+      piece_from_start = work.stage == 0;
+    }
+    const int first_pos = work.FirstPosition();
+    const bool visible =
+        first_pos <= warp_last_pos &&
+        (p.sliding_window == 0 ||
+         first_pos + kStageTokens - 1 > warp_first_pos - p.sliding_window);
+    if (visible) {
+      const uint32_t k_base = sm90::SharedAddress(stages + slot * L::kStageBytes);
+      const uint32_t v_base = k_base + kStageTokens * L::kRowStride;
+      const uint8_t* valid = token_valid + slot * kStageTokens;
+
+      // S (16 rows x kStageTokens positions) = Q K^T.
+      float s[kScoreTiles][4];
+#pragma unroll
+      for (int n = 0; n < kScoreTiles; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+#pragma unroll
+        for (int m = 0; m < kScoreTiles / 2; ++m) {
+          if (m % slices != slice) continue;
+          uint32_t b[4];
+          sm90::LoadMatrixX4(b, k_base + m * 16 * L::kRowStride + k_lane + step * 16 * sizeof(T));
+          sm90::Mma16816<T>(s[2 * m], qa[step], b[0], b[1], s[2 * m]);
+          sm90::Mma16816<T>(s[2 * m + 1], qa[step], b[2], b[3], s[2 * m + 1]);
+        }
+      }
+
+      // Logits, masked (causal, window, positions without a page, rows past the tile), then
+      // the online softmax per row; s[n][i] is row i / 2, position n * 8 + col + i % 2.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i / 2;
+          const int index = n * 8 + col + i % 2;
+          const int pos = first_pos + index;
+          const bool seen = n / 2 % slices == slice && row_token[r] >= 0 && valid[index] &&
+                            pos <= row_pos[r] &&
+                            (p.sliding_window == 0 || pos > row_pos[r] - p.sliding_window);
+          float logit = s[n][i] * p.score_scale;
+          if (p.soft_cap > 0.0f) logit = p.soft_cap * tanhf(logit / p.soft_cap);
+          s[n][i] = seen ? logit : -INFINITY;
+          tile_max[r] = fmaxf(tile_max[r], s[n][i]);
+        }
+      }
+      float scale_old[2], base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(running_max[r], tile_max[r]);
+        base[r] = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet: all weights 0
+        scale_old[r] = __expf(running_max[r] - base[r]);
+        running_max[r] = new_max;
+        running_sum[r] *= scale_old[r];
+      }
+#pragma unroll
+      for (int n = 0; n < kScoreTiles; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          s[n][i] = __expf(s[n][i] - base[i / 2]);
+          running_sum[i / 2] += s[n][i];
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[n][i] *= scale_old[i / 2];
+
+      // O += P V, k16 step by step: P's A fragment is S's accumulators, rounded to T.
+#pragma unroll
+      for (int step = 0; step < kStageTokens / 16; ++step) {
+        if (step % slices != slice) continue;
+        const uint32_t pa[4] = {sm90::Pack<T>(s[2 * step][0], s[2 * step][1]),
+                                sm90::Pack<T>(s[2 * step][2], s[2 * step][3]),
+                                sm90::Pack<T>(s[2 * step + 1][0], s[2 * step + 1][1]),
+                                sm90::Pack<T>(s[2 * step + 1][2], s[2 * step + 1][3])};
+#pragma unroll
+        for (int n = 0; n < kTiles; n += 2) {
+          uint32_t b[4];
+          sm90::LoadMatrixX4Transposed(
+              b, v_base + step * 16 * L::kRowStride + v_lane + n * 8 * sizeof(T));
+          sm90::Mma16816<T>(o[n], pa, b[0], b[1], o[n]);
+          sm90::Mma16816<T>(o[n + 1], pa, b[2], b[3], o[n + 1]);
+        }
+      }
+    }
+
+    const bool tile_done = work.stage == work.t.stages - 1;
+    if (tile_done || iter == num_iters - 1) finish_tile(piece_from_start && tile_done);
+    if (iter + 1 < num_iters) work.Next(p);
+  }
+#else
+  __trap();  // launched only on sm_80 and newer (see the plan)
+#endif
+}
+
+// One warp per (token, query head): a token no tile holds gets zeros; one whose tile was split
+// gets out = v_scale * sum_i w_i o_i / sum_i w_i l_i over its pieces' records i,
+// w_i = exp(m_i - max_i m_i) (a piece that saw nothing has m_i = -inf: weight 0).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) CombineKernel(Params p) {
+  constexpr int kPerLane = (kHeadDim + 31) / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= static_cast<int64_t>(p.num_tokens) * p.num_q_heads) return;
+  const int token = static_cast<int>(row / p.num_q_heads);
+  const int head = static_cast<int>(row % p.num_q_heads);
+  const int4 pieces = p.row_pieces[token];
+  T* out = static_cast<T*>(p.out) + row * kHeadDim;
+  if (pieces.y == 1) return;
+  float acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.0f;
+  float sum = 0.0f;
+  if (pieces.y > 1) {
+    const int kv_head = head / p.group_size;
+    const int tile_row = (token - pieces.z) * p.group_size + head % p.group_size;
+    const auto at = [&](int piece) {  // the piece's record row
+      const int record = piece == 0 ? pieces.x : 2 * (pieces.x / 2 + piece);
+      return (static_cast<int64_t>(kv_head) * p.num_records + record) * kTileRows + tile_row;
+    };
+    float row_max = -INFINITY;
+    for (int i = 0; i < pieces.y; ++i) row_max = fmaxf(row_max, p.partial_max[at(i)]);
+    if (row_max != -INFINITY) {
+      for (int i = 0; i < pieces.y; ++i) {
+        const int64_t record = at(i);
+        const float m = p.partial_max[record];
+        if (m == -INFINITY) continue;
+        const float weight = __expf(m - row_max);
+        sum += weight * p.partial_sum[record];
+        const float* partial = p.partial_out + record * kHeadDim;
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int d = lane + 32 * k;
+          if (d < kHeadDim) acc[k] += weight * partial[d];
+        }
+      }
+    }
+  }
+  const float scale = sum > 0.0f ? p.v_scale / sum : 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int d = lane + 32 * k;
+    if (d < kHeadDim) out[d] = cuda::FromFloat<T>(acc[k] * scale);
+  }
+}
+
+}  // namespace xla_ext::ragged_paged_attention::tensor_core
+
+#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
