@@ -149,40 +149,35 @@ if [[ $PHASE == tp1 || $PHASE == tp2 ]]; then
   exit $status
 fi
 
-if [[ $PHASE == ncu_mixes ]]; then
-  # The mixes of bench/decode_mixes_bench.py short of their targets on the H100: what holds
-  # the attention kernel and the combine kernel of one call back.
+# Nsight Compute on the attention and combine kernels of the third of four calls, per mix:
+# ncu_profile <file> <kernel regex> <profile script> <mix>...
+ncu_profile() {
+  local file="$1" kernels="$2" script="$3"
+  shift 3
   command -v ncu > /dev/null || { step "ncu: not installed"; exit 1; }
-  : > "$OUT/$GPU-ncu-mixes.txt"
-  for mix in "TP=8 shard (H=4, KVH=1): long tail 64" "many very short: 256 x 32" \
-             "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256" "1 x 32768 + 31 x 256"; do
+  : > "$OUT/$file"
+  local mix
+  for mix in "$@"; do
     step "ncu: $mix"
-    echo "== $mix" >> "$OUT/$GPU-ncu-mixes.txt"
-    timeout 150 ncu --kernel-name "regex:AttendTensorCore|CombinePartitions" --launch-skip 4 \
-      --launch-count 2 --section SpeedOfLight --section LaunchStats --section Occupancy \
+    echo "== $mix" >> "$OUT/$file"
+    timeout 150 ncu --kernel-name "regex:$kernels" --launch-skip 4 --launch-count 2 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy \
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      python3 bench/profile_paged_attention.py --mix "$mix" >> "$OUT/$GPU-ncu-mixes.txt" 2>&1 \
-      || { status=1; echo "ncu failed (see $GPU-ncu-mixes.txt)" | tee -a "$TESTS"; }
+      --section SourceCounters python3 "$script" --mix "$mix" >> "$OUT/$file" 2>&1 \
+      || { status=1; echo "ncu failed (see $file)" | tee -a "$TESTS"; }
   done
   step "done, status $status"
   exit $status
-fi
+}
 
-if [[ $PHASE == ncu_ragged ]]; then
-  command -v ncu > /dev/null || { step "ncu: not installed"; exit 1; }
-  : > "$OUT/$GPU-ncu-ragged.txt"
-  for mix in "decode 64 x 2048" "prefill 4 x 2048"; do
-    step "ncu: ragged $mix"
-    echo "== $mix" >> "$OUT/$GPU-ncu-ragged.txt"
-    timeout 120 ncu --kernel-name "regex:AttendKernel|CombineKernel" --launch-skip 4 --launch-count 2 \
-      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-      --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
-      python3 bench/profile_ragged_attention.py --mix "$mix" >> "$OUT/$GPU-ncu-ragged.txt" 2>&1 \
-      || { status=1; echo "ncu failed (see $GPU-ncu-ragged.txt)" | tee -a "$TESTS"; }
-  done
-  step "done, status $status"
-  exit $status
-fi
+# The mixes of bench/decode_mixes_bench.py short of their targets on the H100: what holds the
+# attention kernel and the combine kernel of one call back.
+[[ $PHASE == ncu_mixes ]] && ncu_profile "$GPU-ncu-mixes.txt" "AttendTensorCore|CombinePartitions" \
+  bench/profile_paged_attention.py "TP=8 shard (H=4, KVH=1): long tail 64" \
+  "many very short: 256 x 32" "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256" \
+  "1 x 32768 + 31 x 256"
+[[ $PHASE == ncu_ragged ]] && ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|CombineKernel" \
+  bench/profile_ragged_attention.py "decode 64 x 2048" "prefill 4 x 2048"
 
 if [[ $PHASE == ragged ]]; then
   if [[ ${RAGGED_TESTS:-1} != 0 ]]; then
