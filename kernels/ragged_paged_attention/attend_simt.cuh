@@ -26,6 +26,7 @@
 #include <optional>
 
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/ragged_paged_attention/batch_params.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
 
 namespace xla_ext::ragged_paged_attention::simt {
@@ -39,33 +40,13 @@ constexpr int kMaxPartitions = 1024;
 constexpr int kCtasPerSmTarget = 4;    // with fewer CTAs than this per SM, split the rows
 constexpr unsigned kFullMask = 0xffffffffu;
 
-struct Params {
-  const void* q;
-  const void* kv_pages;
-  const int32_t* kv_lens;
-  const int32_t* page_indices;
-  const int32_t* cu_q_lens;
-  const int32_t* num_seqs;
-  void* out;
+struct Params : BatchParams {
   // Per (token, q head, partition), used when num_partitions > 1.
   float* partial_out;  // [num_tokens * num_q_heads, num_partitions, head_dim]
   float* partial_max;  // [num_tokens * num_q_heads, num_partitions]
   float* partial_sum;
-  int num_q_heads;
-  int num_kv_heads;
-  int group_size;
-  int num_pages;
-  int log2_page_size;
-  int pages_per_seq;
-  int max_num_seqs;
   int num_partitions;
   int partition_len;
-  float score_scale;  // sm_scale * k_scale
-  int sliding_window;
-  float soft_cap;
-  float mask_value;
-  bool visit_masked;  // mask_value > kNegligibleMaskValue: masked positions are visited
-  float v_scale;
 };
 
 using cuda::ToFloat;

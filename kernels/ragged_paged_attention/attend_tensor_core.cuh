@@ -34,6 +34,7 @@
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
+#include "kernels/ragged_paged_attention/batch_params.cuh"
 
 namespace xla_ext::ragged_paged_attention::tensor_core {
 
@@ -48,14 +49,7 @@ constexpr int kRowPadding = 16;   // bytes: ldmatrix's 8 rows fall in distinct b
 // Query tokens per tile with GQA groups of `group` heads.
 __host__ __device__ constexpr int TileTokens(int group) { return kTileRows / group; }
 
-struct Params {
-  const void* q;
-  const void* kv_pages;
-  const int32_t* kv_lens;
-  const int32_t* page_indices;
-  const int32_t* cu_q_lens;
-  const int32_t* num_seqs;
-  void* out;
+struct Params : BatchParams {
   // Per query token: {first record, pieces, the tile's first token, 0}; pieces 1: written
   // directly; all zero (the host clears them): no tile holds the token.
   int4* row_pieces;
@@ -64,19 +58,7 @@ struct Params {
   float* partial_max;
   float* partial_sum;
   int num_records;  // per kv head: 2 * gridDim.x
-  int num_tokens;
-  int num_q_heads;
-  int num_kv_heads;
-  int group_size;
   int tile_tokens;
-  int num_pages;
-  int log2_page_size;
-  int pages_per_seq;
-  int max_num_seqs;
-  float score_scale;  // sm_scale * k_scale
-  float soft_cap;
-  float v_scale;
-  int sliding_window;
 };
 
 // A sequence as the kernel uses it: entries clamped into range (ragged_paged_attention.h);

@@ -15,6 +15,7 @@
 #include "kernels/common/debug_checks.cuh"
 #include "kernels/ragged_paged_attention/attend_simt.cuh"
 #include "kernels/ragged_paged_attention/attend_tensor_core.cuh"
+#include "kernels/ragged_paged_attention/batch_params.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
 #include "xla_ext/registry.h"
 
@@ -39,7 +40,7 @@ bool ForceTensorCore() {
 // bound by issue and latency there (h100-ncu-ragged.txt). On a long tail it is the slower one.
 bool DecodeShaped(const Shapes& s) { return s.num_tokens <= s.max_num_seqs; }
 
-// What the launches need besides the kernels' parameters.
+// What the launches need besides the call's parameters.
 struct Call {
   const Shapes& shapes;
   const std::optional<cuda::DeviceInfo>& device;
@@ -54,7 +55,7 @@ struct Kernels {
       std::is_same_v<T, KV> && !std::is_same_v<T, float> && kHeadDim <= 128;
 
   // CTAs per kv head of the tensor-core kernel's grid, or 0 where it does not apply.
-  static int TensorCoreWorkers(const simt::Params& p, const Call& call) {
+  static int TensorCoreWorkers(const BatchParams& p, const Call& call) {
     if constexpr (kHasTensorCore) {
       using Layout = tensor_core::Layout<T, kHeadDim>;
       const Shapes& s = call.shapes;
@@ -76,32 +77,13 @@ struct Kernels {
     return 0;
   }
 
-  // `p`: the call as the handler describes it (for the CUDA-core kernel).
-  static ffi::Error LaunchTensorCore(const simt::Params& p, int workers, const Call& call) {
+  static ffi::Error LaunchTensorCore(const BatchParams& batch, int workers, const Call& call) {
     if constexpr (kHasTensorCore) {
       const Shapes& s = call.shapes;
       tensor_core::Params tp{};
-      tp.q = p.q;
-      tp.kv_pages = p.kv_pages;
-      tp.kv_lens = p.kv_lens;
-      tp.page_indices = p.page_indices;
-      tp.cu_q_lens = p.cu_q_lens;
-      tp.num_seqs = p.num_seqs;
-      tp.out = p.out;
+      static_cast<BatchParams&>(tp) = batch;
       tp.num_records = 2 * workers;
-      tp.num_tokens = static_cast<int>(s.num_tokens);
-      tp.num_q_heads = p.num_q_heads;
-      tp.num_kv_heads = p.num_kv_heads;
-      tp.group_size = p.group_size;
-      tp.tile_tokens = tensor_core::TileTokens(p.group_size);
-      tp.num_pages = p.num_pages;
-      tp.log2_page_size = p.log2_page_size;
-      tp.pages_per_seq = p.pages_per_seq;
-      tp.max_num_seqs = p.max_num_seqs;
-      tp.score_scale = p.score_scale;
-      tp.soft_cap = p.soft_cap;
-      tp.v_scale = p.v_scale;
-      tp.sliding_window = p.sliding_window;
+      tp.tile_tokens = tensor_core::TileTokens(batch.group_size);
 
       const size_t pieces_bytes = static_cast<size_t>(s.num_tokens) * sizeof(int4);
       std::optional<void*> pieces = call.scratch.Allocate(pieces_bytes, 16);
@@ -144,10 +126,12 @@ struct Kernels {
         <<<grid, simt::kThreads, 0, stream>>>(p, plan.head_chunks);
   }
 
-  static ffi::Error Launch(simt::Params p, const Call& call) {
-    if (const int workers = TensorCoreWorkers(p, call); workers > 0) {
-      return LaunchTensorCore(p, workers, call);
+  static ffi::Error Launch(const BatchParams& batch, const Call& call) {
+    if (const int workers = TensorCoreWorkers(batch, call); workers > 0) {
+      return LaunchTensorCore(batch, workers, call);
     }
+    simt::Params p{};
+    static_cast<BatchParams&>(p) = batch;
     const Shapes& s = call.shapes;
     const simt::Plan plan = simt::MakePlan(s, call.device);
     p.num_partitions = plan.num_partitions;
@@ -240,7 +224,7 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator s
                          "a misaligned buffer");
   }
 
-  simt::Params p{};
+  BatchParams p{};
   p.q = q.untyped_data();
   p.kv_pages = kv_pages.untyped_data();
   p.kv_lens = static_cast<const int32_t*>(kv_lens.untyped_data());
@@ -248,6 +232,7 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator s
   p.cu_q_lens = static_cast<const int32_t*>(cu_q_lens.untyped_data());
   p.num_seqs = static_cast<const int32_t*>(num_seqs.untyped_data());
   p.out = out->untyped_data();
+  p.num_tokens = static_cast<int>(s.num_tokens);
   p.num_q_heads = static_cast<int>(s.num_q_heads);
   p.num_kv_heads = static_cast<int>(s.num_kv_heads);
   p.group_size = static_cast<int>(s.group_size());
