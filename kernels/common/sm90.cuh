@@ -1,7 +1,7 @@
 // Thin wrappers over the PTX that Hopper kernels stream memory with: mbarriers, TMA bulk copies
-// (cp.async.bulk), cp.async, ldmatrix and the m16n8k16 tensor-core MMA. Each compiles to one
-// instruction; callers guard their use with `#if __CUDA_ARCH__ >= 900` (cp.async, ldmatrix and
-// mma exist from sm_80, and kernels that use only those guard with 800).
+// (cp.async.bulk), named barriers, ldmatrix and the m16n8k16 tensor-core MMA. Each compiles to
+// one instruction; callers guard their use with `#if __CUDA_ARCH__ >= 900` (ldmatrix and mma
+// exist from sm_80).
 #ifndef XLA_EXT_KERNELS_COMMON_SM90_CUH_
 #define XLA_EXT_KERNELS_COMMON_SM90_CUH_
 
@@ -94,6 +94,12 @@ __device__ __forceinline__ void PrefetchToL2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
+// Waits until `threads` threads (a multiple of 32) of the CTA have reached named barrier `id`
+// (1-15; __syncthreads is barrier 0): a barrier for some of a CTA's warps.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 #endif  // __CUDA_ARCH__ >= 900
 
 // Programmatic dependent launch (cuda::LaunchProgrammatic): a kernel so launched waits here for
@@ -107,28 +113,6 @@ __device__ __forceinline__ void WaitForPrerequisiteGrid() {
 __device__ __forceinline__ void LaunchDependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// cp.async (sm_80 and newer): 16 bytes from global to shared memory, bypassing L1; with
-// `valid` false nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ void CommitCopies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-// Waits until at most kPending of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void WaitCopies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 #endif
 }
 

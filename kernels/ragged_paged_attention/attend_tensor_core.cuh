@@ -1,24 +1,25 @@
-// Ragged paged attention on tensor cores (mma.sync m16n8k16, FlashAttention-2 layout) for
-// f16/bf16 queries and caches, sm_80 and newer: prefill chunks and decodes in one launch, the
-// work split between the CTAs on the device by the actual q and kv lengths.
+// Ragged paged attention on Hopper tensor cores (mma.sync m16n8k16, FlashAttention-2 layout;
+// TMA bulk copies) for f16/bf16 queries and caches: prefill chunks and decodes in one launch,
+// the work split between the CTAs on the device by the actual q and kv lengths.
 // - A tile is kTileRows query rows of one sequence and one kv head: TileTokens(group)
 //   consecutive query tokens times the group's query heads (row = token * group + head), so
 //   every K/V row a tile loads serves all of them. Each block of 16 rows is the A operand of
-//   S = Q K^T for one warp; a tile of one or two blocks (decodes, short chunks) has several
-//   warps per block, each taking its share of every stage's positions, merged at the tile's
-//   end.
+//   S = Q K^T for one consumer warp; a tile of one or two blocks (decodes, short chunks) has
+//   several warps per block, each taking its share of every stage's positions, merged at the
+//   tile's end.
 // - A tile attends to kv positions from its first token's window start (0 without a window) to
 //   its last token's position, in stages of kStageTokens positions: its units of work. The
 //   units of every tile of every sequence, in order, are split evenly between the CTAs of a kv
 //   head (kernels/common/balanced_split.cuh, the decode kernel's scheduler, with a sequence's
 //   units the stages of its tiles). A CTA walks its range of (tile, stage) units; a tile may
 //   span CTAs, a CTA may hold many tiles.
-// - Stages stream through a ring of kStages shared-memory buffers by cp.async (every thread
-//   copies 16-byte chunks), zero-filled for positions past the tile's last one or in a page
-//   outside the cache (those also get no weight), with one CTA barrier per stage. Warps skip
-//   stages their rows cannot see.
-// - Measured on the H100 (bench/README.md, "Ragged paged attention"): the stage loop is bound
-//   by issue and latency, not bytes; decode steps run the CUDA-core kernel instead.
+// - As in the decode kernel, stages stream through a ring of kStages buffers: a producer warp
+//   walks the same units and copies each position's K and V rows (adjacent in the cache) with
+//   one TMA bulk copy, zero-filling positions past the tile's last one or in a page outside
+//   the cache (those also get no weight); a buffer's `full` mbarrier completes when its bytes
+//   have landed, its `empty` one when every consumer thread is done with it. No CTA-wide
+//   barrier in the loop (an earlier version, whose threads all issued 16-byte cp.async copies
+//   with a barrier per stage, was bound by issue and latency: bench/README.md).
 // - A tile one CTA holds whole is written to `out` directly. Only a CTA's first and last tiles
 //   can be pieces of a split tile: their (max, sum, unnormalised output) rows go to records
 //   2 * CTA (first) and 2 * CTA + 1 (last), so the host sizes the records by the grid alone.
@@ -38,11 +39,14 @@
 
 namespace xla_ext::ragged_paged_attention::tensor_core {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
+// 7 consumer warps (16 rows of a tile each) and a producer: 8 warps, two per SM sub-partition,
+// may hold up to 255 registers each (9 warps would be capped at 168 and spill).
+constexpr int kWarps = 7;
+constexpr int kThreads = (kWarps + 1) * 32;
+constexpr int kCombineThreads = kWarps * 32;
 constexpr int kTileRows = kWarps * 16;
 constexpr int kStageTokens = 64;  // kv positions per stage: 8 n8 tiles of S, 4 k16 steps of P V
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 constexpr int kMinCtaStages = 2;  // the fewest units a CTA takes
 constexpr int kRowPadding = 16;   // bytes: ldmatrix's 8 rows fall in distinct banks
 
@@ -158,35 +162,38 @@ struct UnitWalk {
   __device__ int FirstPosition() const { return (t.first_stage + stage) * kStageTokens; }
 };
 
-// Shared memory: the stages' token masks and the scheduler's scratch, then the stages (K rows,
-// then V rows, of kStageTokens positions each), then where warps that split a stage's positions
-// meet at the end of a tile (per warp: 16 rows of output, maxima, sums).
+// Shared memory: per stage a `full` and an `empty` mbarrier and the mask of its positions
+// that have a row, the scheduler's scratch, then the stages (per position its K row then its V
+// row, as in the cache), then where warps that split a stage's positions meet at the end of a
+// tile (per warp: 16 rows of output, maxima, sums). All of it dynamic: static shared memory
+// would lower the dynamic maximum a kernel may opt in to.
 constexpr int kScheduleScratchInts = cuda::balanced::ScratchInts(kThreads);
 constexpr int kHeaderBytes =
-    (kStages * kStageTokens + kScheduleScratchInts * static_cast<int>(sizeof(int)) + 15) / 16 * 16;
+    (kStages * (2 * sizeof(uint64_t) + sizeof(uint2)) + kScheduleScratchInts * sizeof(int) + 15) /
+    16 * 16;
 
 template <typename T, int kHeadDim>
 struct Layout {
-  static constexpr int kRowStride = kHeadDim * sizeof(T) + kRowPadding;  // bytes
-  static constexpr int kStageBytes = 2 * kStageTokens * kRowStride;
+  static constexpr int kRowBytes = 2 * kHeadDim * sizeof(T);  // a position's K and V rows
+  static constexpr int kRowStride = kRowBytes + kRowPadding;
+  static constexpr int kStageBytes = kStageTokens * kRowStride;
   static constexpr int kMergeBytes = kWarps * 16 * (kHeadDim + 2) * sizeof(float);
   static constexpr int kSharedBytes = kHeaderBytes + kStages * kStageBytes + kMergeBytes;
-  static constexpr int kRowChunks = kHeadDim * sizeof(T) / 16;  // 16-byte copies per K row
-  static constexpr int kStageChunks = 2 * kStageTokens * kRowChunks;
-  static_assert(kStageChunks % kThreads == 0, "every thread copies the same number of chunks");
 };
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace sm90 = cuda::sm90;
   using L = Layout<T, kHeadDim>;
   constexpr int kSteps = kHeadDim / 16;  // k16 steps of Q K^T
   constexpr int kTiles = kHeadDim / 8;   // n8 tiles of O
   constexpr int kScoreTiles = kStageTokens / 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  uint8_t* token_valid = smem;  // [kStages][kStageTokens]
-  int* schedule_scratch = reinterpret_cast<int*>(smem + kStages * kStageTokens);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // a stage's rows have landed
+  uint64_t* empty = full + kStages;                      // every consumer is done with it
+  uint2* stage_masks = reinterpret_cast<uint2*>(empty + kStages);  // positions with a row
+  int* schedule_scratch = reinterpret_cast<int*>(stage_masks + kStages);
   unsigned char* stages = smem + kHeaderBytes;
   float* merge_out = reinterpret_cast<float*>(stages + kStages * L::kStageBytes);
   float* merge_max = merge_out + kWarps * 16 * kHeadDim;
@@ -196,65 +203,100 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group = p.group_size;
+  if (threadIdx.x == 0) {
+    for (int slot = 0; slot < kStages; ++slot) {
+      sm90::BarrierInit(sm90::SharedAddress(&full[slot]), 32);  // the producer warp's lanes
+      sm90::BarrierInit(sm90::SharedAddress(&empty[slot]), kWarps * 32);
+    }
+    sm90::FenceBarrierInit();
+  }
   const int num_seqs = NumSeqs(p);
+  // (Its barriers also publish the mbarrier initialisation to the CTA.)
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
       num_seqs, kMinCtaStages, [&](int seq) { return UnitsOf(p, seq); }, schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;
 
-  // Copies of one stage: thread c copies chunks c, c + kThreads, ...; a position's K row and V
-  // row are adjacent in the cache (combined heads 2h and 2h + 1), so chunk i of a position is
-  // its K row's for i < kRowChunks and its V row's after.
-  const T* kv = static_cast<const T*>(p.kv_pages);
-  const int64_t position_stride = int64_t{2} * p.num_kv_heads * kHeadDim;  // elements
-  const int offset_mask = (1 << p.log2_page_size) - 1;
-  const auto load_stage = [&](const UnitWalk& w, int slot) {
-    const int first_pos = w.FirstPosition();
-    const int end = w.t.first_pos + w.t.tokens;
-    const int32_t* pages =
-        p.page_indices + static_cast<int64_t>(w.seq) * p.pages_per_seq;
-    unsigned char* stage = stages + slot * L::kStageBytes;
-    // Every page id first, then every copy: a copy waiting on its page id before the next id
-    // is loaded would cost one L2 round trip per chunk.
-    constexpr int kChunksPerThread = L::kStageChunks / kThreads;
-    int64_t offsets[kChunksPerThread];
+  if (warp == kWarps) {
+    // Producer: one TMA bulk copy per position of a stage (its K and V rows of this kv head are
+    // adjacent in the cache), lane l taking positions l and l + 32; the page ids of the next
+    // stage are loaded before waiting for its buffer.
+    const T* kv = static_cast<const T*>(p.kv_pages);
+    const int64_t position_stride = int64_t{2} * p.num_kv_heads * kHeadDim;  // elements
+    const int offset_mask = (1 << p.log2_page_size) - 1;
+    const uint64_t read_once = sm90::EvictFirstPolicy();
+    UnitWalk loads;
+    loads.Start(p, range.first_seq, range.first_seq_begin, range.begin);
+    const auto row_offsets = [&](int64_t (&offsets)[2]) {
+      const int first_pos = loads.FirstPosition();
+      const int end = loads.t.first_pos + loads.t.tokens;
+      const int32_t* pages = p.page_indices + static_cast<int64_t>(loads.seq) * p.pages_per_seq;
 #pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int pos = first_pos + (i * kThreads + threadIdx.x) / (2 * L::kRowChunks);
-      const int page = pos < end ? __ldg(pages + (pos >> p.log2_page_size)) : -1;
-      offsets[i] = page >= 0 && page < p.num_pages
-                       ? ((static_cast<int64_t>(page) << p.log2_page_size) + (pos & offset_mask)) *
-                                 position_stride + int64_t{2} * kv_head * kHeadDim
-                       : -1;
-    }
+      for (int k = 0; k < 2; ++k) {
+        const int pos = first_pos + lane + 32 * k;
+        const int page = pos < end ? __ldg(pages + (pos >> p.log2_page_size)) : -1;
+        offsets[k] = page >= 0 && page < p.num_pages
+                         ? ((static_cast<int64_t>(page) << p.log2_page_size) +
+                            (pos & offset_mask)) * position_stride +
+                               int64_t{2} * kv_head * kHeadDim
+                         : -1;
+      }
+    };
+    int64_t offsets[2];
+    row_offsets(offsets);
+    for (int iter = 0; iter < num_iters; ++iter) {
+      const int slot = iter % kStages;
+      int64_t next[2] = {-1, -1};
+      if (iter + 1 < num_iters) {
+        loads.Next(p);
+        row_offsets(next);
+      }
+      if (iter >= kStages) {
+        sm90::WaitParity(sm90::SharedAddress(&empty[slot]), (iter / kStages - 1) & 1);
+      }
+      unsigned char* stage = stages + slot * L::kStageBytes;
+      const uint32_t barrier = sm90::SharedAddress(&full[slot]);
+      uint32_t bytes = 0;
 #pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int chunk = i * kThreads + threadIdx.x;
-      const int token = chunk / (2 * L::kRowChunks);
-      const int part = chunk % (2 * L::kRowChunks);
-      const int64_t offset = offsets[i];
-      const bool is_v = part >= L::kRowChunks;
-      const uint32_t dst = sm90::SharedAddress(
-          stage + (is_v ? kStageTokens * L::kRowStride : 0) + token * L::kRowStride +
-          (part - (is_v ? L::kRowChunks : 0)) * 16);
-      sm90::CopyAsync16(dst, offset >= 0 ? kv + offset + part * (16 / sizeof(T)) : kv,
-                        offset >= 0);
-      if (part == 0) token_valid[slot * kStageTokens + token] = offset >= 0;
-    }
-  };
-
-  // The loads run kStages - 1 units ahead of the arithmetic.
-  UnitWalk loads;
-  loads.Start(p, range.first_seq, range.first_seq_begin, range.begin);
-  UnitWalk work = loads;
+      for (int k = 0; k < 2; ++k) {
+        if (offsets[k] >= 0) {
+          bytes += L::kRowBytes;
+        } else {
+          // A position without a row: zeros (weight 0 times finite values), released to the
+          // consumers by this lane's arrive below, ordered before later TMA writes to them.
+          unsigned char* row = stage + (lane + 32 * k) * L::kRowStride;
+          for (int i = 0; i < L::kRowBytes; i += 16) {
+            *reinterpret_cast<uint4*>(row + i) = make_uint4(0, 0, 0, 0);
+          }
+          sm90::FenceProxyAsync();
+        }
+      }
+      const uint32_t mask_lo = __ballot_sync(0xffffffffu, offsets[0] >= 0);
+      const uint32_t mask_hi = __ballot_sync(0xffffffffu, offsets[1] >= 0);
+      const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+      // Every lane arrives, releasing its own shared-memory writes (lane 0: the mask).
+      if (lane == 0) {
+        stage_masks[slot] = make_uint2(mask_lo, mask_hi);
+        sm90::ArriveExpectBytes(barrier, total);
+      } else {
+        sm90::Arrive(barrier);
+      }
+      __syncwarp();  // the bytes are expected before any copy can complete
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < num_iters) {
-      if (i > 0) loads.Next(p);
-      load_stage(loads, i);
+      for (int k = 0; k < 2; ++k) {
+        if (offsets[k] >= 0) {
+          sm90::BulkCopyToShared(sm90::SharedAddress(stage + (lane + 32 * k) * L::kRowStride),
+                                 kv + offsets[k], L::kRowBytes, barrier, read_once);
+        }
+      }
+      offsets[0] = next[0];
+      offsets[1] = next[1];
     }
-    sm90::CommitCopies();
+    return;
   }
+
+  UnitWalk work;
+  work.Start(p, range.first_seq, range.first_seq_begin, range.begin);
 
   // A tile's rows come in blocks of 16, one per warp. A tile of one or two blocks (decodes,
   // short chunks) would leave most warps idle, and one warp's arithmetic per stage is slower
@@ -278,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   const auto start_tile = [&](const UnitWalk& w) {
     const int first_token = w.s.q_start + w.t.first_token;
     row_blocks = (w.t.tokens * group + 15) / 16;
-    slices = row_blocks <= 2 ? 4 : row_blocks <= 4 ? 2 : 1;
+    slices = row_blocks * 4 <= kWarps ? 4 : row_blocks * 2 <= kWarps ? 2 : 1;
     row_block = warp % row_blocks;
     slice = warp / row_blocks;  // >= slices: the warp has no part in this tile
     const bool active = slice < slices;
@@ -342,28 +384,31 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
           }
         }
       }
-      // (The next tile's hand-over comes after the next stage's barrier: no second one.)
-      __syncthreads();
-      if (slice != 0) return;
-      for (int other = 1; other < slices; ++other) {
-        const int from = other * row_blocks + row_block;
+      sm90::NamedBarrierSync(1, kWarps * 32);  // the consumer warps
+      if (slice == 0) {
+        for (int other = 1; other < slices; ++other) {
+          const int from = other * row_blocks + row_block;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float their_max = merge_max[from * 16 + row16[r]];
-          const float new_max = fmaxf(running_max[r], their_max);
-          const float mine = new_max == -INFINITY ? 0.0f : __expf(running_max[r] - new_max);
-          const float theirs = new_max == -INFINITY ? 0.0f : __expf(their_max - new_max);
-          running_sum[r] = running_sum[r] * mine + merge_sum[from * 16 + row16[r]] * theirs;
-          running_max[r] = new_max;
-          const float* src = merge_out + (from * 16 + row16[r]) * kHeadDim + col;
+          for (int r = 0; r < 2; ++r) {
+            const float their_max = merge_max[from * 16 + row16[r]];
+            const float new_max = fmaxf(running_max[r], their_max);
+            const float mine = new_max == -INFINITY ? 0.0f : __expf(running_max[r] - new_max);
+            const float theirs = new_max == -INFINITY ? 0.0f : __expf(their_max - new_max);
+            running_sum[r] = running_sum[r] * mine + merge_sum[from * 16 + row16[r]] * theirs;
+            running_max[r] = new_max;
+            const float* src = merge_out + (from * 16 + row16[r]) * kHeadDim + col;
 #pragma unroll
-          for (int n = 0; n < kTiles; ++n) {
-            const float2 v = *reinterpret_cast<const float2*>(src + n * 8);
-            o[n][2 * r] = o[n][2 * r] * mine + v.x * theirs;
-            o[n][2 * r + 1] = o[n][2 * r + 1] * mine + v.y * theirs;
+            for (int n = 0; n < kTiles; ++n) {
+              const float2 v = *reinterpret_cast<const float2*>(src + n * 8);
+              o[n][2 * r] = o[n][2 * r] * mine + v.x * theirs;
+              o[n][2 * r + 1] = o[n][2 * r + 1] * mine + v.y * theirs;
+            }
           }
         }
       }
+      // Read before any warp hands over its next tile.
+      sm90::NamedBarrierSync(1, kWarps * 32);
+      if (slice != 0) return;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -402,15 +447,8 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 
   for (int iter = 0; iter < num_iters; ++iter) {
     const int slot = iter % kStages;
-    // This thread's copies of stage iter have landed; the barrier makes every thread's
-    // visible, and says every warp is done with the buffer the next copies go to.
-    sm90::WaitCopies<kStages - 2>();
-    __syncthreads();
-    if (iter + kStages - 1 < num_iters) {
-      loads.Next(p);
-      load_stage(loads, (iter + kStages - 1) % kStages);
-    }
-    sm90::CommitCopies();
+    sm90::WaitParity(sm90::SharedAddress(&full[slot]), (iter / kStages) & 1);
+    const uint2 mask = stage_masks[slot];
 
     if (work.stage == 0 || iter == 0) {
       start_tile(work);
@@ -424,8 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
          first_pos + kStageTokens - 1 > warp_first_pos - p.sliding_window);
     if (visible) {
       const uint32_t k_base = sm90::SharedAddress(stages + slot * L::kStageBytes);
-      const uint32_t v_base = k_base + kStageTokens * L::kRowStride;
-      const uint8_t* valid = token_valid + slot * kStageTokens;
+      const uint32_t v_base = k_base + kHeadDim * sizeof(T);
 
       // S (16 rows x kStageTokens positions) = Q K^T.
       float s[kScoreTiles][4];
@@ -455,7 +492,8 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
           const int r = i / 2;
           const int index = n * 8 + col + i % 2;
           const int pos = first_pos + index;
-          const bool seen = n / 2 % slices == slice && row_token[r] >= 0 && valid[index] &&
+          const bool has_row = ((index < 32 ? mask.x : mask.y) >> (index % 32)) & 1u;
+          const bool seen = n / 2 % slices == slice && row_token[r] >= 0 && has_row &&
                             pos <= row_pos[r] &&
                             (p.sliding_window == 0 || pos > row_pos[r] - p.sliding_window);
           float logit = s[n][i] * p.score_scale;
@@ -507,12 +545,14 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       }
     }
 
+    // This thread is done with the buffer; the producer refills it once every consumer is.
+    sm90::Arrive(sm90::SharedAddress(&empty[slot]));
     const bool tile_done = work.stage == work.t.stages - 1;
     if (tile_done || iter == num_iters - 1) finish_tile(piece_from_start && tile_done);
     if (iter + 1 < num_iters) work.Next(p);
   }
 #else
-  __trap();  // launched only on sm_80 and newer (see the plan)
+  __trap();  // launched only on sm_90 and newer (see the plan)
 #endif
 }
 
@@ -520,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 // gets out = v_scale * sum_i w_i o_i / sum_i w_i l_i over its pieces' records i,
 // w_i = exp(m_i - max_i m_i) (a piece that saw nothing has m_i = -inf: weight 0).
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) CombineKernel(Params p) {
+__global__ void __launch_bounds__(kCombineThreads) CombineKernel(Params p) {
   constexpr int kPerLane = (kHeadDim + 31) / 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;

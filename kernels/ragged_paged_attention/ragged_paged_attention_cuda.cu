@@ -1,7 +1,7 @@
 // CUDA xla_ext.ragged_paged_attention: checks, the choice of kernel, and the launches.
-// - attend_tensor_core.cuh: tensor cores, for f16/bf16 queries and caches of the same dtype,
-//   head_dim up to 128, on sm_80 and newer (the serving case): the batch's (query tile, kv
-//   stage) units split evenly over a grid that fills the GPU once, on the device.
+// - attend_tensor_core.cuh: TMA and tensor cores, for f16/bf16 queries and caches of the same
+//   dtype, head_dim up to 128, on Hopper and newer (the serving case): the batch's (query tile,
+//   kv stage) units split evenly over a grid that fills the GPU once, on the device.
 // - attend_simt.cuh: CUDA cores, for everything else (f32, fp8 caches, head_dim 192 and 256,
 //   a mask_value whose masked positions must be visited) and for decode steps.
 #include <algorithm>
@@ -61,7 +61,7 @@ struct Kernels {
       const Shapes& s = call.shapes;
       if (ForceSimt() || (DecodeShaped(s) && !ForceTensorCore()) || p.visit_masked ||
           !call.device.has_value() ||
-          call.device->major < 8 || Layout::kSharedBytes > call.device->max_shared_bytes) {
+          call.device->major < 9 || Layout::kSharedBytes > call.device->max_shared_bytes) {
         return 0;
       }
       // Units (tile, stage) of the whole batch stay well inside int.
@@ -111,7 +111,7 @@ struct Kernels {
       const int64_t rows = s.num_tokens * s.num_q_heads;
       tensor_core::CombineKernel<T, kHeadDim>
           <<<static_cast<unsigned>((rows + tensor_core::kWarps - 1) / tensor_core::kWarps),
-             tensor_core::kThreads, 0, call.stream>>>(tp);
+             tensor_core::kCombineThreads, 0, call.stream>>>(tp);
     }
     return ffi::Error::Success();
   }
