@@ -77,13 +77,21 @@ __device__ __forceinline__ int NumSeqs(const Params& p) {
   return min(max(__ldg(p.num_seqs), 0), p.max_num_seqs);
 }
 
-// Rows are owned only from cu_q_lens[0] up to cu_q_lens[num_seqs] (ragged_paged_attention.h):
-// a sequence's rows are clamped into them.
-__device__ __forceinline__ Sequence ReadSequence(const Params& p, int i) {
-  const int first_row = min(max(__ldg(p.cu_q_lens), 0), p.num_tokens);
-  const int end_row = min(max(__ldg(p.cu_q_lens + NumSeqs(p)), first_row), p.num_tokens);
-  const int q_start = min(max(__ldg(p.cu_q_lens + i), first_row), end_row);
-  const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), first_row), end_row);
+// Rows are owned only from cu_q_lens[0] up to cu_q_lens[num_seqs] (ragged_paged_attention.h);
+// read once per thread, they clamp every sequence's rows.
+struct OwnedRows {
+  int first;
+  int end;
+};
+
+__device__ __forceinline__ OwnedRows OwnedRowsOf(const Params& p, int num_seqs) {
+  const int first = min(max(__ldg(p.cu_q_lens), 0), p.num_tokens);
+  return {first, min(max(__ldg(p.cu_q_lens + num_seqs), first), p.num_tokens)};
+}
+
+__device__ __forceinline__ Sequence ReadSequence(const Params& p, const OwnedRows& rows, int i) {
+  const int q_start = min(max(__ldg(p.cu_q_lens + i), rows.first), rows.end);
+  const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), rows.first), rows.end);
   const int kv_len = min(max(__ldg(p.kv_lens + i), 0), p.pages_per_seq << p.log2_page_size);
   const int q_len = q_end - q_start;
   return {q_start, q_len > 0 && q_len <= kv_len ? q_len : 0, kv_len};
@@ -113,8 +121,8 @@ __device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j
   return t;
 }
 
-__device__ __forceinline__ int UnitsOf(const Params& p, int seq) {
-  const Sequence s = ReadSequence(p, seq);
+__device__ __forceinline__ int UnitsOf(const Params& p, const OwnedRows& rows, int seq) {
+  const Sequence s = ReadSequence(p, rows, seq);
   int units = 0;
   for (int j = 0, tiles = TilesOf(p, s); j < tiles; ++j) units += TileOf(p, s, j).stages;
   return units;
@@ -122,6 +130,7 @@ __device__ __forceinline__ int UnitsOf(const Params& p, int seq) {
 
 // A walk over consecutive units (every thread of the CTA holds the same one).
 struct UnitWalk {
+  OwnedRows rows;
   int seq;
   Sequence s;
   int tile;
@@ -130,9 +139,11 @@ struct UnitWalk {
   int stage;       // within the tile
 
   // Starts at `unit`, which lies in sequence `seq`, whose units start at `seq_begin`.
-  __device__ void Start(const Params& p, int first_seq, int seq_begin, int unit) {
+  __device__ void Start(const Params& p, const OwnedRows& owned, int first_seq, int seq_begin,
+                        int unit) {
+    rows = owned;
     seq = first_seq;
-    s = ReadSequence(p, seq);
+    s = ReadSequence(p, rows, seq);
     tile = 0;
     t = TileOf(p, s, 0);
     tile_begin = seq_begin;
@@ -153,7 +164,7 @@ struct UnitWalk {
       return;
     }
     do {
-      s = ReadSequence(p, ++seq);
+      s = ReadSequence(p, rows, ++seq);
     } while (s.q_len == 0);
     tile = 0;
     t = TileOf(p, s, 0);
@@ -211,9 +222,10 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     sm90::FenceBarrierInit();
   }
   const int num_seqs = NumSeqs(p);
+  const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
   // (Its barriers also publish the mbarrier initialisation to the CTA.)
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      num_seqs, kMinCtaStages, [&](int seq) { return UnitsOf(p, seq); }, schedule_scratch);
+      num_seqs, kMinCtaStages, [&](int seq) { return UnitsOf(p, owned_rows, seq); }, schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;
 
@@ -226,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     const int offset_mask = (1 << p.log2_page_size) - 1;
     const uint64_t read_once = sm90::EvictFirstPolicy();
     UnitWalk loads;
-    loads.Start(p, range.first_seq, range.first_seq_begin, range.begin);
+    loads.Start(p, owned_rows, range.first_seq, range.first_seq_begin, range.begin);
     const auto row_offsets = [&](int64_t (&offsets)[2]) {
       const int first_pos = loads.FirstPosition();
       const int end = loads.t.first_pos + loads.t.tokens;
@@ -296,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   }
 
   UnitWalk work;
-  work.Start(p, range.first_seq, range.first_seq_begin, range.begin);
+  work.Start(p, owned_rows, range.first_seq, range.first_seq_begin, range.begin);
 
   // A tile's rows come in blocks of 16, one per warp. A tile of one or two blocks (decodes,
   // short chunks) would leave most warps idle, and one warp's arithmetic per stage is slower
