@@ -37,7 +37,9 @@
 #   tp1:      the single-device half of it (any one GPU) -> <gpu>-tp1.json
 #   ncu_ragged: Nsight Compute on the ragged attention kernels (tensor-core kernel and its
 #             combine) of two bench/ragged_bench.py mixes, a decode and a prefill
-#             (bench/profile_ragged_attention.py --mix) -> <gpu>-ncu-ragged.txt
+#             (bench/profile_ragged_attention.py --mix) -> <gpu>-ncu-ragged.txt; with NCU_SASS=1
+#             also each mix's first kernel per SASS instruction (executed, stall samples)
+#             -> <gpu>-ncu-ragged-sass-N.csv (as for ncu_mixes)
 #   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
 #             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
@@ -156,7 +158,7 @@ ncu_profile() {
   shift 3
   command -v ncu > /dev/null || { step "ncu: not installed"; exit 1; }
   : > "$OUT/$file"
-  local mix
+  local mix sass_tables=0
   for mix in "$@"; do
     step "ncu: $mix"
     echo "== $mix" >> "$OUT/$file"
@@ -165,6 +167,15 @@ ncu_profile() {
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --section SourceCounters python3 "$script" --mix "$mix" >> "$OUT/$file" 2>&1 \
       || { status=1; echo "ncu failed (see $file)" | tee -a "$TESTS"; }
+    if [[ ${NCU_SASS:-0} == 1 ]]; then  # the first kernel's SASS, instruction by instruction
+      local table="$OUT/${file%.txt}-sass-$((++sass_tables)).csv"
+      timeout 150 ncu --kernel-name "regex:$kernels" --launch-skip 4 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats -f -o /tmp/ncu-sass \
+        python3 "$script" --mix "$mix" > /dev/null 2>&1 \
+        && ncu --import /tmp/ncu-sass.ncu-rep --page source --csv --print-source sass > "$table" \
+        && echo "$mix: SASS table $(basename "$table")" >> "$OUT/$file" \
+        || { status=1; echo "ncu SASS table failed: $mix" | tee -a "$TESTS"; }
+    fi
   done
   step "done, status $status"
   exit $status
