@@ -3,8 +3,11 @@ checks both platforms use, the Host handler and the CUDA handler."""
 
 load("//tools:cuda.bzl", "cuda_library")
 
-def xla_ext_kernel(op):
-    """Defines :<op>_h (<op>.h), :host (<op>_host.cc) and :cuda (<op>_cuda.cu + *.cuh)."""
+def xla_ext_kernel(op, cuda_deps = []):
+    """Defines :<op>_h (<op>.h), :host (<op>_host.cc) and :cuda (<op>_cuda.cu + *.cuh).
+
+    cuda_deps: other kernels' :cuda targets whose device code this one launches too.
+    """
     native.cc_library(
         name = op + "_h",
         hdrs = [op + ".h"],
@@ -33,5 +36,5 @@ def xla_ext_kernel(op):
             ":" + op + "_h",
             "//kernels/common:cuda_utils",
             "//kernels/registry",
-        ],
+        ] + cuda_deps,
     )

@@ -1,13 +1,17 @@
 // Hopper decode attention for f16/bf16 with GQA groups of up to 16 query heads. Decode reads
 // every K and V byte once and does little arithmetic per byte, so the kernel spends as few
 // instructions as possible per byte and keeps plenty of bytes in flight:
+// - The batch is a type (split_kv.cuh's SeqLensBatch for paged_attention; the decode steps of
+//   a ragged batch for ragged_paged_attention) that says each sequence's length and row.
 // - The grid fills the GPU once: gridDim.y groups of kv_heads_per_cta consecutive kv heads,
 //   and gridDim.x CTAs that split the batch's actual tokens evenly between them, in stages of
 //   kStageTokens tokens of one sequence (kernels/common/balanced_split.cuh: a CTA's stages may
 //   cross sequences, a long sequence spans many CTAs, the lengths are read on the device). A
 //   sequence a CTA holds whole is written to the output directly; the pieces of a split one go
 //   to CombinePartitionsKernel. One warp per kv head; a token's rows for the CTA's kv heads are
-//   contiguous in the NHD cache, so one TMA bulk copy moves them into shared memory.
+//   contiguous in the NHD cache, so one TMA bulk copy moves them into shared memory (with K and
+//   V interleaved, as in the ragged op's cache, a token's (K, V) pairs of the CTA's kv heads
+//   are one run, copied as two halves).
 // - Stages (their K and V rows) stream through a ring of num_stages buffers. A producer warp
 //   walks the CTA's stages and issues the copies, telling the consumers which sequence and
 //   tokens each stage holds; a buffer's `full` mbarrier completes when its
@@ -32,8 +36,11 @@
 #ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
 #define XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
@@ -87,10 +94,17 @@ __device__ __forceinline__ int StagesOf(int length) {
 // The fewest stages a CTA takes (short pieces cost more in partials than they save).
 constexpr int kMinCtaStages = 4;
 
+// Stages of a sequence of `length` tokens that its window (split_kv.cuh) leaves out.
+__device__ __forceinline__ int SkippedStages(const Params& p, int length) {
+  return WindowStart(p, length) / kStageTokens;
+}
+
 // kHighRows: the GQA group has more than 8 heads, so rows 8-15 of the MMA tiles are used.
-template <typename T, int kHeadSize, bool kHighRows>
-__global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
-    AttendTensorCoreKernel(Params p, Layout layout, int num_stages) {
+// (At least 1 CTA per SM is said explicitly: without it ptxas gave the head_size 256, kHighRows
+// kernel 32 registers and 4.6 KB of spills.)
+template <typename T, int kHeadSize, bool kHighRows, typename Batch>
+__global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
+    AttendTensorCoreKernel(Params p, Batch batch, Layout layout, int num_stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace sm90 = cuda::sm90;
   constexpr int kSteps = kHeadSize / 16;  // k16 steps of Q K^T
@@ -119,37 +133,57 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
   // Launched programmatically: the set-up above overlaps the previous kernel's tail; global
   // memory only after it has finished.
   sm90::WaitForPrerequisiteGrid();
+  const auto length_of = [&](int seq) { return batch.Length(p, seq); };
+  const auto units_of = [&](int length) { return StagesOf(length) - SkippedStages(p, length); };
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      p.num_seqs, kMinCtaStages, [&](int seq) { return StagesOf(SeqLen(p, seq)); },
+      p.num_seqs, kMinCtaStages, [&](int seq) { return units_of(length_of(seq)); },
       schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than stages
   const int num_iters = range.end - range.begin;
 
   if (warp == kv_heads_per_cta) {
-    // Producer: lanes 0-15 copy the K rows of a stage's tokens, lanes 16-31 their V rows. The
-    // next stage's block-table entry is loaded before waiting for its buffer. With every kv
-    // head in the CTA, the rows of a block's tokens are one contiguous run: one L2 prefetch
-    // per run, a stage ahead, turns the next stage's row copies into L2 hits.
+    // Producer: lanes 0-15 copy half 0 of a stage's tokens (their K rows; interleaved, the
+    // (K, V) pairs of the CTA's first half of kv heads), lanes 16-31 half 1 (V rows; the second
+    // half's pairs). The next stage's block-table entry is loaded before waiting for its
+    // buffer. With every kv head in the CTA, the rows of a block's tokens are one contiguous run
+    // per half (interleaved: one for both): one L2 prefetch per run, a stage ahead, turns the
+    // next stage's row copies into L2 hits. Tokens before the window are skipped.
     const int index = lane % kStageTokens;
-    const bool value = lane >= kStageTokens;
+    const int half = lane / kStageTokens;
     const uint32_t row_bytes = layout.row_stride - Layout::kRowPadding;
-    const T* cache = static_cast<const T*>(value ? p.value_cache : p.key_cache);
+    const int64_t slot_elements =
+        (p.kv_interleaved ? 2 : 1) * static_cast<int64_t>(p.num_kv_heads) * kHeadSize;
+    const T* cache =
+        p.kv_interleaved
+            ? static_cast<const T*>(p.key_cache) +
+                  (2 * first_kv_head + half * kv_heads_per_cta) * kHeadSize
+            : static_cast<const T*>(half == 0 ? p.key_cache : p.value_cache) +
+                  first_kv_head * kHeadSize;
     const uint64_t read_once = sm90::EvictFirstPolicy();
     const int prefetch_run =
         kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
-    cuda::balanced::SequenceWalk walk(
-        [&](int seq) { return SeqLen(p, seq); }, [](int length) { return StagesOf(length); },
-        p.num_seqs, range.first_seq, range.begin - range.first_seq_begin);
+    const uint32_t prefetch_bytes = p.kv_interleaved
+                                        ? (half == 0 ? 2 * prefetch_run * row_bytes : 0)
+                                        : prefetch_run * row_bytes;
+    cuda::balanced::SequenceWalk walk(length_of, units_of, p.num_seqs, range.first_seq,
+                                      range.begin - range.first_seq_begin);
+    const auto first_token = [&]() {
+      return (SkippedStages(p, walk.length) + walk.unit) * kStageTokens;
+    };
     const auto row_offset = [&]() -> int64_t {
-      const int t = walk.unit * kStageTokens + index;
-      if (t >= walk.length) return -1;
-      return RowOffset(p, p.block_tables + static_cast<int64_t>(walk.seq) * p.max_blocks_per_seq,
-                       t, first_kv_head, kHeadSize);
+      const int t = first_token() + index;
+      if (t >= walk.length || t < WindowStart(p, walk.length)) return -1;
+      const int block = p.block_tables[static_cast<int64_t>(walk.seq) * p.max_blocks_per_seq +
+                                       (t >> p.log2_block_size)];
+      if (block < 0 || block >= p.num_blocks) return -1;
+      const int64_t slot = (static_cast<int64_t>(block) << p.log2_block_size) +
+                           (t & ((1 << p.log2_block_size) - 1));
+      return slot * slot_elements;
     };
     int64_t offset = row_offset();
     for (int iter = 0; iter < num_iters; ++iter) {
       const int slot = iter % num_stages;
-      const StageInfo info{walk.seq, walk.unit * kStageTokens, walk.length,
+      const StageInfo info{walk.seq, first_token(), walk.length,
                            (walk.unit == 0 ? kFirstStage : 0) |
                                (walk.unit == walk.units - 1 ? kLastStage : 0)};
       if (walk.unit == 0 && blockIdx.y == 0 && lane == 0) {
@@ -170,8 +204,8 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       const uint32_t bytes = offset >= 0 ? row_bytes : 0;
       const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
       const uint32_t barrier = sm90::SharedAddress(&full[slot]);
-      unsigned char* dst = stages + slot * layout.stage_bytes +
-                           ((value ? kStageTokens : 0) + index) * layout.row_stride;
+      unsigned char* dst =
+          stages + slot * layout.stage_bytes + (half * kStageTokens + index) * layout.row_stride;
       if (offset < 0) {
         // A skipped token: zeros (weight 0 times finite values), released to the consumers
         // by this lane's arrive below, and ordered before later TMA writes to these bytes.
@@ -194,8 +228,8 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
         sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + offset, bytes, barrier,
                                read_once);
       }
-      if (prefetch_run > 0 && next >= 0 && index % prefetch_run == 0) {
-        sm90::PrefetchToL2(cache + next, prefetch_run * row_bytes);
+      if (prefetch_bytes > 0 && next >= 0 && index % prefetch_run == 0) {
+        sm90::PrefetchToL2(cache + next, prefetch_bytes);
       }
       offset = next;
     }
@@ -209,7 +243,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
   uint32_t qa[kSteps][4];
   const auto load_query = [&](int seq) {
     const T* q = static_cast<const T*>(p.query) +
-                 (static_cast<int64_t>(seq) * p.num_heads + first_head) * kHeadSize;
+                 (batch.Row(p, seq) * p.num_heads + first_head) * kHeadSize;
     const uint32_t* q_lo = reinterpret_cast<const uint32_t*>(q + row * kHeadSize + col);
     const uint32_t* q_hi = reinterpret_cast<const uint32_t*>(q + (row + 8) * kHeadSize + col);
 #pragma unroll
@@ -254,9 +288,9 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       if (head_row >= group) continue;
       const int head = first_head + head_row;
       if (whole) {
-        const float inv_sum = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+        const float inv_sum = running_sum[r] > 0.0f ? p.out_scale / running_sum[r] : 0.0f;
         uint32_t* dst = reinterpret_cast<uint32_t*>(
-            out + (static_cast<int64_t>(seq) * p.num_heads + head) * kHeadSize + col);
+            out + (batch.Row(p, seq) * p.num_heads + head) * kHeadSize + col);
 #pragma unroll
         for (int n = 0; n < kTiles; ++n) {
           dst[n * 4] = sm90::Pack<T>(o[n][2 * r] * inv_sum, o[n][2 * r + 1] * inv_sum);
@@ -277,6 +311,19 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       }
     }
   };
+
+  // Where this warp's kv head's K and V rows sit in a stage: element e of a token's rows
+  // (K rows then V rows; interleaved, (K, V) pairs) is in half e / half_elements.
+  const int half_elements = kv_heads_per_cta * kHeadSize;
+  const int k_element = p.kv_interleaved ? 2 * warp * kHeadSize : warp * kHeadSize;
+  const int v_element =
+      p.kv_interleaved ? (2 * warp + 1) * kHeadSize : half_elements + warp * kHeadSize;
+  const auto stage_offset = [&](int element) {
+    return static_cast<uint32_t>((element / half_elements) * kStageTokens * layout.row_stride +
+                                 (element % half_elements) * sizeof(T));
+  };
+  const uint32_t k_offset = stage_offset(k_element);
+  const uint32_t v_offset = stage_offset(v_element);
 
   // ldmatrix row addresses of this lane, relative to the warp's first K or V element.
   // K (B of Q K^T, not transposed): matrix j = lane/8 is (tokens 8*(j/2).., columns 8*(j%2)..).
@@ -301,9 +348,9 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
       reset();
     }
     piece_to_end = (info.flags & kLastStage) != 0;
-    const uint32_t k_base = sm90::SharedAddress(stages + slot * layout.stage_bytes) +
-                            warp * kHeadSize * sizeof(T);
-    const uint32_t v_base = k_base + kStageTokens * layout.row_stride;
+    const uint32_t stage_base = sm90::SharedAddress(stages + slot * layout.stage_bytes);
+    const uint32_t k_base = stage_base + k_offset;
+    const uint32_t v_base = stage_base + v_offset;
 
     // S (16 query rows x 16 tokens) = Q K^T, as two n8 tiles of tokens.
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -388,6 +435,117 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32)
 #else
   __trap();  // launched only on sm_90 and newer (see Supported)
 #endif
+}
+
+// Build-time tuning knobs (tools/device/tune_paged_attention.sh).
+#ifndef XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA
+#define XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA 8
+#endif
+#ifndef XLA_EXT_PAGED_ATTENTION_SHARED_KB  // shared memory a CTA's stage ring may use
+#define XLA_EXT_PAGED_ATTENTION_SHARED_KB 200
+#endif
+// Consumer warps (one per kv head of a CTA) an SM should hold at least: a CTA of fewer kv heads
+// gets a smaller share of shared memory, so that more CTAs fit. 1 keeps one CTA of the largest
+// ring per SM, which leaves one consumer warp per SM when a GPU holds one kv head (tensor-
+// parallel shards), and its stages' arithmetic then runs one after another.
+#ifndef XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM
+#define XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM 1
+#endif
+static_assert(XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA >= 1 &&
+                  XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA <= kMaxKvHeadsPerCta,
+              "the kernel's launch bounds allow at most kMaxKvHeadsPerCta consumer warps");
+
+// Shared memory the driver keeps for itself per resident CTA (sm_80 and later).
+constexpr int kReservedSharedBytes = 1024;
+
+// A call's launch: its CTA shape, and the CTAs that share the batch's tokens (per group of kv
+// heads).
+struct Plan {
+  int kv_heads_per_cta = 1;
+  int num_stages = 0;
+  int workers = 1;
+  Layout layout{};
+};
+
+// The plan with `kv_heads` consecutive kv heads per CTA (nullopt if two stages do not fit in
+// shared memory): as many stages as the budget holds, and as many CTAs as fill every CTA slot
+// of the GPU once (each CTA keeps several stages in flight, so one wave streams at full
+// bandwidth, and a single wave has no tail). The kernel splits the tokens between them.
+template <typename T, int kHeadSize, bool kHighRows, typename Batch>
+std::optional<Plan> PlanFor(int num_kv_heads, const cuda::DeviceInfo& device, int kv_heads) {
+  Plan plan;
+  plan.kv_heads_per_cta = kv_heads;
+  plan.layout = Layout::For(kv_heads, kHeadSize, sizeof(T));
+  const int ctas_per_sm_wanted =
+      cuda::CeilDiv(XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM, kv_heads);
+  const int share = ctas_per_sm_wanted == 1
+                        ? device.max_shared_bytes
+                        : device.max_shared_bytes / ctas_per_sm_wanted - kReservedSharedBytes;
+  const int budget = std::min(XLA_EXT_PAGED_ATTENTION_SHARED_KB * 1024, share);
+  plan.num_stages =
+      std::clamp((budget - kHeaderBytes) / plan.layout.stage_bytes, 2, kMaxStages);
+  while (plan.num_stages >= 2 &&
+         SharedBytes(plan.layout, plan.num_stages) > device.max_shared_bytes) {
+    --plan.num_stages;
+  }
+  if (plan.num_stages < 2) return std::nullopt;
+
+  const int ctas_per_sm = cuda::CtasPerSm(
+      reinterpret_cast<const void*>(&AttendTensorCoreKernel<T, kHeadSize, kHighRows, Batch>),
+      device, (kv_heads + 1) * 32, SharedBytes(plan.layout, plan.num_stages));
+  if (ctas_per_sm == 0) return std::nullopt;
+  plan.workers = static_cast<int>(
+      std::max<int64_t>(1, int64_t{device.sms} * ctas_per_sm / (num_kv_heads / kv_heads)));
+  return plan;
+}
+
+// The plan for f16/bf16 on Hopper and newer with GQA groups of up to kMaxGroupSize, or nullopt.
+// Every kv head of a token in one CTA (up to the knob) streams whole token rows and lets the
+// kernel prefetch whole blocks into L2.
+template <typename T, int kHeadSize, typename Batch>
+std::optional<Plan> MakePlan(int num_kv_heads, int group_size, const cuda::DeviceInfo& device) {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::nullopt;
+  } else {
+    if (device.major < 9 || group_size > kMaxGroupSize) return std::nullopt;
+    const auto plan_for = [&](int kv_heads) {
+      return group_size > 8
+                 ? PlanFor<T, kHeadSize, true, Batch>(num_kv_heads, device, kv_heads)
+                 : PlanFor<T, kHeadSize, false, Batch>(num_kv_heads, device, kv_heads);
+    };
+    int kv_heads = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
+    while (kv_heads > 1 && num_kv_heads % kv_heads != 0) kv_heads /= 2;
+    std::optional<Plan> plan = plan_for(kv_heads);
+    while (!plan.has_value() && kv_heads > 1) {
+      kv_heads /= 2;
+      plan = plan_for(kv_heads);
+    }
+    return plan;
+  }
+}
+
+// Records the plan's pieces need per query head: CTA + sequence (balanced_split.cuh).
+inline int64_t NumRecords(const Plan& plan, int64_t num_seqs) { return plan.workers + num_seqs; }
+
+// Launches the attention kernel and, behind it, the combine. `p` holds the records
+// (NumRecords) and seq_records (num_seqs).
+template <typename T, int kHeadSize, typename Batch>
+void Launch(const Params& p, const Batch& batch, const Plan& plan, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(plan.workers),
+                  static_cast<unsigned>(p.num_kv_heads / plan.kv_heads_per_cta));
+  const int shared_bytes = SharedBytes(plan.layout, plan.num_stages);
+  const dim3 block((plan.kv_heads_per_cta + 1) * 32);
+  if (p.num_heads / p.num_kv_heads > 8) {
+    cuda::LaunchProgrammatic(AttendTensorCoreKernel<T, kHeadSize, true, Batch>, grid, block,
+                             shared_bytes, stream, p, batch, plan.layout, plan.num_stages);
+  } else {
+    cuda::LaunchProgrammatic(AttendTensorCoreKernel<T, kHeadSize, false, Batch>, grid, block,
+                             shared_bytes, stream, p, batch, plan.layout, plan.num_stages);
+  }
+  // A sequence's pieces are known on the device only: a row gets the warps of an even share
+  // (a longer row's warps take several chunks each).
+  LaunchCombine<T, kHeadSize>(p, batch, cuda::CeilDiv(plan.workers, p.num_seqs) + 1,
+                              static_cast<int64_t>(p.num_seqs) * p.num_heads, stream);
 }
 
 }  // namespace xla_ext::paged_attention::tensor_core

@@ -24,27 +24,6 @@
 namespace xla_ext::paged_attention {
 namespace {
 
-// Build-time tuning knobs of the tensor-core kernel (tools/device/tune_paged_attention.sh).
-#ifndef XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA
-#define XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA 8
-#endif
-#ifndef XLA_EXT_PAGED_ATTENTION_SHARED_KB  // shared memory a CTA's stage ring may use
-#define XLA_EXT_PAGED_ATTENTION_SHARED_KB 200
-#endif
-// Consumer warps (one per kv head of a CTA) an SM should hold at least: a CTA of fewer kv heads
-// gets a smaller share of shared memory, so that more CTAs fit. 1 keeps one CTA of the largest
-// ring per SM, which leaves one consumer warp per SM when a GPU holds one kv head (tensor-
-// parallel shards), and its stages' arithmetic then runs one after another.
-#ifndef XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM
-#define XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM 1
-#endif
-static_assert(XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA >= 1 &&
-                  XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA <= tensor_core::kMaxKvHeadsPerCta,
-              "the kernel's launch bounds allow at most kMaxKvHeadsPerCta consumer warps");
-
-// Shared memory the driver keeps for itself per resident CTA (sm_80 and later).
-constexpr int kReservedSharedBytes = 1024;
-
 // XLA_EXT_PAGED_ATTENTION_KERNEL=simt selects the CUDA-core kernel everywhere, so that tests and
 // benchmarks can run it on a GPU where the tensor-core kernel would be chosen.
 bool ForceSimt() {
@@ -52,124 +31,41 @@ bool ForceSimt() {
   return force;
 }
 
-// How a call is split: for the CUDA-core kernel partitions per sequence; for the tensor-core
-// kernel its CTA shape and the CTAs that share the batch's tokens (per group of kv heads).
+// How a call is split: the tensor-core kernel's plan, or the CUDA-core kernel's partitions per
+// sequence.
 struct Plan {
-  bool tensor_core = false;
+  std::optional<tensor_core::Plan> tensor_core;
   int partition_len = simt::kPartition;
   int64_t num_partitions = 1;
-  int kv_heads_per_cta = 1;
-  int num_stages = 0;
-  int workers = 1;
-  tensor_core::Layout layout{};
 };
-
-// The tensor-core kernel's plan with `kv_heads` consecutive kv heads per CTA (nullopt if two
-// stages do not fit in shared memory): as many stages as the budget holds, and as many CTAs as
-// fill every CTA slot of the GPU once (each CTA keeps several stages in flight, so one wave
-// streams at full bandwidth, and a single wave has no tail). The kernel splits the tokens
-// between them.
-template <typename T, int kHeadSize, bool kHighRows>
-std::optional<Plan> TensorCorePlanFor(const Shapes& s, const cuda::DeviceInfo& device, int kv_heads) {
-  Plan plan;
-  plan.tensor_core = true;
-  plan.kv_heads_per_cta = kv_heads;
-  plan.layout = tensor_core::Layout::For(kv_heads, kHeadSize, sizeof(T));
-  const int ctas_per_sm_wanted =
-      cuda::CeilDiv(XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM, kv_heads);
-  const int share = ctas_per_sm_wanted == 1
-                        ? device.max_shared_bytes
-                        : device.max_shared_bytes / ctas_per_sm_wanted - kReservedSharedBytes;
-  const int budget = std::min(XLA_EXT_PAGED_ATTENTION_SHARED_KB * 1024, share);
-  plan.num_stages = std::clamp((budget - tensor_core::kHeaderBytes) / plan.layout.stage_bytes, 2,
-                               tensor_core::kMaxStages);
-  while (plan.num_stages >= 2 &&
-         tensor_core::SharedBytes(plan.layout, plan.num_stages) > device.max_shared_bytes) {
-    --plan.num_stages;
-  }
-  if (plan.num_stages < 2) return std::nullopt;
-
-  const int ctas_per_sm = cuda::CtasPerSm(
-      reinterpret_cast<const void*>(&tensor_core::AttendTensorCoreKernel<T, kHeadSize, kHighRows>),
-      device, (kv_heads + 1) * 32, tensor_core::SharedBytes(plan.layout, plan.num_stages));
-  if (ctas_per_sm == 0) return std::nullopt;
-  plan.workers = static_cast<int>(
-      std::max<int64_t>(1, device.sms * ctas_per_sm / (s.num_kv_heads / kv_heads)));
-  return plan;
-}
-
-// Every kv head of a token in one CTA (up to the knob) streams whole token rows and lets the
-// kernel prefetch whole blocks into L2.
-template <typename T, int kHeadSize, bool kHighRows>
-std::optional<Plan> TensorCorePlan(const Shapes& s, const cuda::DeviceInfo& device) {
-  int kv_heads = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
-  while (kv_heads > 1 && s.num_kv_heads % kv_heads != 0) kv_heads /= 2;
-  std::optional<Plan> plan = TensorCorePlanFor<T, kHeadSize, kHighRows>(s, device, kv_heads);
-  while (!plan.has_value() && kv_heads > 1) {
-    kv_heads /= 2;
-    plan = TensorCorePlanFor<T, kHeadSize, kHighRows>(s, device, kv_heads);
-  }
-  return plan;
-}
-
-Plan SimtPlan(const Shapes& s) {
-  Plan plan;
-  plan.num_partitions =
-      std::max<int64_t>(1, (s.capacity() + simt::kPartition - 1) / simt::kPartition);
-  return plan;
-}
-
-template <typename T, int kHeadSize, bool kHighRows>
-void LaunchTensorCore(const Params& p, const Plan& plan, const Shapes& s, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(plan.workers),
-                  static_cast<unsigned>(s.num_kv_heads / plan.kv_heads_per_cta));
-  cuda::LaunchProgrammatic(tensor_core::AttendTensorCoreKernel<T, kHeadSize, kHighRows>, grid,
-                           dim3((plan.kv_heads_per_cta + 1) * 32),
-                           tensor_core::SharedBytes(plan.layout, plan.num_stages), stream, p,
-                           plan.layout, plan.num_stages);
-}
 
 // The plan and the launches for one element type and head size.
 template <typename T, int kHeadSize>
 struct Kernels {
   static Plan MakePlan(const Shapes& s, const std::optional<cuda::DeviceInfo>& device) {
-    if constexpr (!std::is_same_v<T, float>) {
-      if (!ForceSimt() && device.has_value() && device->major >= 9 &&
-          s.group_size() <= tensor_core::kMaxGroupSize && s.num_seqs <= INT32_MAX) {
-        std::optional<Plan> plan = s.group_size() > 8
-                                       ? TensorCorePlan<T, kHeadSize, true>(s, *device)
-                                       : TensorCorePlan<T, kHeadSize, false>(s, *device);
-        if (plan.has_value()) return *plan;
-      }
+    Plan plan;
+    if (!ForceSimt() && device.has_value() && s.num_seqs <= INT32_MAX) {
+      plan.tensor_core = tensor_core::MakePlan<T, kHeadSize, SeqLensBatch>(
+          static_cast<int>(s.num_kv_heads), static_cast<int>(s.group_size()), *device);
     }
-    return SimtPlan(s);
+    if (!plan.tensor_core.has_value()) {
+      plan.num_partitions =
+          std::max<int64_t>(1, (s.capacity() + simt::kPartition - 1) / simt::kPartition);
+    }
+    return plan;
   }
 
   static void Launch(const Params& p, const Plan& plan, const Shapes& s, cudaStream_t stream) {
-    if constexpr (!std::is_same_v<T, float>) {
-      if (plan.tensor_core) {
-        if (s.group_size() > 8) {
-          LaunchTensorCore<T, kHeadSize, true>(p, plan, s, stream);
-        } else {
-          LaunchTensorCore<T, kHeadSize, false>(p, plan, s, stream);
-        }
+    if constexpr (!std::is_same_v<T, float>) {  // f32 has no tensor-core plan
+      if (plan.tensor_core.has_value()) {
+        tensor_core::Launch<T, kHeadSize>(p, SeqLensBatch{}, *plan.tensor_core, stream);
+        return;
       }
     }
-    if (!plan.tensor_core) {
-      simt::Attend<T, kHeadSize>(p, static_cast<int>(s.num_seqs), s.group_size(), stream);
-    }
-    if (plan.tensor_core || p.num_partitions > 1) {
-      // Launches while the attention kernel drains (it waits for it on the GPU). The
-      // tensor-core kernel's pieces per sequence are known on the device only: a row gets the
-      // warps of an even share (a longer row's warps take several chunks each).
-      const int64_t records_per_row =
-          plan.tensor_core ? cuda::CeilDiv(plan.workers, s.num_seqs) + 1 : p.num_partitions;
-      const int warps_per_row =
-          CombineWarpsPerRow(static_cast<int>(records_per_row), CombineChunk<kHeadSize>());
-      const int64_t rows = s.num_seqs * s.num_heads;
-      cuda::LaunchProgrammatic(CombinePartitionsKernel<T, kHeadSize>,
-                               dim3(cuda::CeilDiv(rows, kCombineWarps / warps_per_row)),
-                               dim3(kCombineWarps * 32), 0, stream, p, warps_per_row, rows);
+    simt::Attend<T, kHeadSize>(p, static_cast<int>(s.num_seqs), s.group_size(), stream);
+    if (p.num_partitions > 1) {
+      LaunchCombine<T, kHeadSize>(p, SeqLensBatch{}, p.num_partitions, s.num_seqs * s.num_heads,
+                                  stream);
     }
   }
 };
@@ -221,8 +117,9 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   Plan plan;
   XLA_EXT_RETURN_IF_ERROR(DispatchKernels(
       query.element_type(), s.head_size, [&](auto kernels) { plan = kernels.MakePlan(s, device); }));
-  const int64_t records =
-      plan.tensor_core ? plan.workers + s.num_seqs : s.num_seqs * plan.num_partitions;
+  const int64_t records = plan.tensor_core.has_value()
+                              ? tensor_core::NumRecords(*plan.tensor_core, s.num_seqs)
+                              : s.num_seqs * plan.num_partitions;
   if (records > INT32_MAX) {  // grid dimensions and record numbers
     return ArgumentError(kTarget, "block_tables", "num_seqs * partitions < 2^31",
                          "shape " + ShapeString(block_tables.dimensions()));
@@ -246,8 +143,9 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.num_partitions = static_cast<int>(plan.num_partitions);
   p.scale = scale;
   p.softcap = softcap;
+  p.out_scale = 1.0f;
 
-  if (plan.tensor_core) {
+  if (plan.tensor_core.has_value()) {
     // Records CTA + sequence (balanced_split.cuh), and where each sequence's are.
     p.num_records = static_cast<int>(records);
     std::optional<void*> seq_records = scratch.Allocate(s.num_seqs * sizeof(int2), 16);
@@ -260,7 +158,7 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   } else {
     p.num_records = static_cast<int>(records);
   }
-  if (plan.tensor_core || p.num_partitions > 1) {
+  if (plan.tensor_core.has_value() || p.num_partitions > 1) {
     cuda::PartialResults partials;
     XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
         scratch, kTarget, s.num_heads * p.num_records, s.head_size, partials));

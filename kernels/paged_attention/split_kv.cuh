@@ -43,6 +43,22 @@ struct Params {
   int num_partitions;   // CUDA-core kernel: partitions per sequence
   float scale;
   float softcap;
+  // Honoured by the tensor-core kernel and the combine (ragged attention's decode steps run
+  // there); the CUDA-core kernel needs their defaults (0, 1, false).
+  int window;           // a query row sees only the last `window` tokens; 0: all of them
+  float out_scale;      // multiplies every output (the ragged op's v_scale)
+  bool kv_interleaved;  // key_cache == value_cache, [blocks, block_size, 2 * num_kv_heads,
+                        // head_size]: K of kv head h at 2h, its V at 2h + 1
+};
+
+// The batch as paged_attention gives it: sequence i has seq_lens[i] tokens, its query and
+// output are row i. (The decode kernels take the batch as a type with the same two functions:
+// ragged attention's decode steps are another; kernels/ragged_paged_attention.)
+struct SeqLensBatch {
+  // Tokens of sequence `seq` to attend (0: none; the kernels then leave its row to others).
+  __device__ int Length(const Params& p, int seq) const;
+  // Its query and output row; -1: a row the combine must not write.
+  __device__ int64_t Row(const Params&, int seq) const { return seq; }
 };
 
 // Tokens a sequence's block-table row can address.
@@ -57,6 +73,15 @@ __device__ __forceinline__ int ClampSeqLen(const Params& p, int length) {
 
 __device__ __forceinline__ int SeqLen(const Params& p, int seq) {
   return ClampSeqLen(p, p.seq_lens[seq]);
+}
+
+__device__ __forceinline__ int SeqLensBatch::Length(const Params& p, int seq) const {
+  return SeqLen(p, seq);
+}
+
+// The first token a query row of a sequence of `length` tokens sees.
+__device__ __forceinline__ int WindowStart(const Params& p, int length) {
+  return p.window > 0 ? max(0, length - p.window) : 0;
 }
 
 // Element offset of token t's row for kv_head (the rows of the following kv heads come right
@@ -110,17 +135,18 @@ __device__ __forceinline__ float WarpReduce(float value, Op op) {
   return value;
 }
 
-// Merges each (seq, head) row's records: out = sum_i w_i o_i / sum_i w_i l_i, where
+// Merges each (seq, head) row's records: out = out_scale * sum_i w_i o_i / sum_i w_i l_i, where
 // w_i = exp(m_i - m) and (m_i, l_i, o_i) are record i's max, sum and unnormalised output. An
-// empty sequence gets zeros; one the attention kernel wrote directly is left alone.
+// empty sequence gets zeros (unless its row is -1); one the attention kernel wrote directly is
+// left alone.
 // It runs after the attention kernel, where its memory round trips, not its bytes, set its
 // time: a warp issues all loads of a chunk of partitions (lane c holds columns 4c..4c+3, as
 // float4) together with the chunk's statistics, then merges the chunk online. A row's warps
 // (CombineWarpsPerRow) take interleaved chunks and meet in shared memory; with few partitions
 // a warp has a row to itself and the CTA serves kCombineWarps rows.
-template <typename T, int kHeadSize>
+template <typename T, int kHeadSize, typename Batch>
 __global__ void __launch_bounds__(kCombineWarps * 32)
-    CombinePartitionsKernel(Params p, int warps_per_row, int64_t rows) {
+    CombinePartitionsKernel(Params p, Batch batch, int warps_per_row, int64_t rows) {
   constexpr int kVecs = (kHeadSize + 127) / 128;  // float4 columns per lane
   constexpr int kChunk = CombineChunk<kHeadSize>();
   __shared__ float4 warp_acc[kCombineWarps][kVecs * 32];
@@ -134,7 +160,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int share = warp % warps_per_row;  // this warp's chunks: share, share + warps_per_row..
   const bool has_row = seq_head < rows;
   const int seq = has_row ? static_cast<int>(seq_head / p.num_heads) : 0;
-  const int seq_len = has_row ? SeqLen(p, seq) : 0;
+  const int seq_len = has_row ? batch.Length(p, seq) : 0;
+  const int64_t out_row = has_row ? batch.Row(p, seq) : -1;
   int first_record = 0, used = 0;
   if (p.seq_records != nullptr) {
     if (seq_len > 0) {
@@ -218,9 +245,10 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
       }
     }
   }
-  if (!has_row || written) return;
-  const float inv_sum = l > 0.0f ? 1.0f / l : 0.0f;  // an empty sequence gives zeros
-  T* out = static_cast<T*>(p.out) + seq_head * kHeadSize;
+  if (out_row < 0 || written) return;
+  const float inv_sum = l > 0.0f ? p.out_scale / l : 0.0f;  // an empty sequence gives zeros
+  T* out =
+      static_cast<T*>(p.out) + (out_row * p.num_heads + seq_head % p.num_heads) * kHeadSize;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     if (!has_column(v)) continue;
@@ -230,6 +258,19 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     out[column + 2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
     out[column + 3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
   }
+}
+
+// Launches the combine of `rows` (sequence, head) rows, each with up to about
+// `records_per_row` records, behind the attention kernel on `stream` (it waits for it on the
+// GPU).
+template <typename T, int kHeadSize, typename Batch>
+void LaunchCombine(const Params& p, const Batch& batch, int64_t records_per_row, int64_t rows,
+                   cudaStream_t stream) {
+  const int warps_per_row =
+      CombineWarpsPerRow(static_cast<int>(records_per_row), CombineChunk<kHeadSize>());
+  cuda::LaunchProgrammatic(CombinePartitionsKernel<T, kHeadSize, Batch>,
+                           dim3(cuda::CeilDiv(rows, kCombineWarps / warps_per_row)),
+                           dim3(kCombineWarps * 32), 0, stream, p, batch, warps_per_row, rows);
 }
 
 }  // namespace xla_ext::paged_attention

@@ -63,38 +63,17 @@ struct Params : BatchParams {
   float* partial_sum;
   int num_records;  // per kv head: 2 * gridDim.x
   int tile_tokens;
+  // Sequences with one query row are left to the decode-step kernel (decode_steps.cuh), which
+  // runs after this one and its combine (which writes zeros to their rows meanwhile).
+  bool decode_steps_elsewhere;
 };
 
-// A sequence as the kernel uses it: entries clamped into range (ragged_paged_attention.h);
-// q_len 0 when the entries make no sense (q_len > kv_len, decreasing cu_q_lens).
-struct Sequence {
-  int q_start;
-  int q_len;
-  int kv_len;
-};
-
-__device__ __forceinline__ int NumSeqs(const Params& p) {
-  return min(max(__ldg(p.num_seqs), 0), p.max_num_seqs);
-}
-
-// Rows are owned only from cu_q_lens[0] up to cu_q_lens[num_seqs] (ragged_paged_attention.h);
-// read once per thread, they clamp every sequence's rows.
-struct OwnedRows {
-  int first;
-  int end;
-};
-
-__device__ __forceinline__ OwnedRows OwnedRowsOf(const Params& p, int num_seqs) {
-  const int first = min(max(__ldg(p.cu_q_lens), 0), p.num_tokens);
-  return {first, min(max(__ldg(p.cu_q_lens + num_seqs), first), p.num_tokens)};
-}
-
-__device__ __forceinline__ Sequence ReadSequence(const Params& p, const OwnedRows& rows, int i) {
-  const int q_start = min(max(__ldg(p.cu_q_lens + i), rows.first), rows.end);
-  const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), rows.first), rows.end);
-  const int kv_len = min(max(__ldg(p.kv_lens + i), 0), p.pages_per_seq << p.log2_page_size);
-  const int q_len = q_end - q_start;
-  return {q_start, q_len > 0 && q_len <= kv_len ? q_len : 0, kv_len};
+// A sequence this kernel attends: none of its rows when the decode-step kernel takes it.
+__device__ __forceinline__ Sequence TiledSequence(const Params& p, const OwnedRows& rows,
+                                                  int i) {
+  Sequence s = ReadSequence(p, rows, i);
+  if (p.decode_steps_elsewhere && s.q_len == 1) s.q_len = 0;
+  return s;
 }
 
 struct Tile {
@@ -122,7 +101,7 @@ __device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j
 }
 
 __device__ __forceinline__ int UnitsOf(const Params& p, const OwnedRows& rows, int seq) {
-  const Sequence s = ReadSequence(p, rows, seq);
+  const Sequence s = TiledSequence(p, rows, seq);
   int units = 0;
   for (int j = 0, tiles = TilesOf(p, s); j < tiles; ++j) units += TileOf(p, s, j).stages;
   return units;
@@ -143,7 +122,7 @@ struct UnitWalk {
                         int unit) {
     rows = owned;
     seq = first_seq;
-    s = ReadSequence(p, rows, seq);
+    s = TiledSequence(p, rows, seq);
     tile = 0;
     t = TileOf(p, s, 0);
     tile_begin = seq_begin;
@@ -164,7 +143,7 @@ struct UnitWalk {
       return;
     }
     do {
-      s = ReadSequence(p, rows, ++seq);
+      s = TiledSequence(p, rows, ++seq);
     } while (s.q_len == 0);
     tile = 0;
     t = TileOf(p, s, 0);
@@ -225,7 +204,8 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
   // (Its barriers also publish the mbarrier initialisation to the CTA.)
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      num_seqs, kMinCtaStages, [&](int seq) { return UnitsOf(p, owned_rows, seq); }, schedule_scratch);
+      num_seqs, kMinCtaStages, [&](int seq) { return UnitsOf(p, owned_rows, seq); },
+      schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;
 

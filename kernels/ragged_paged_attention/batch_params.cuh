@@ -1,5 +1,6 @@
-// What both CUDA ragged-attention kernels are given of a call: its buffers, sizes and scalars,
-// as the handler reads them (each kernel's Params adds its own split of the work).
+// What the CUDA ragged-attention kernels are given of a call: its buffers, sizes and scalars,
+// as the handler reads them (each kernel's Params adds its own split of the work), and what a
+// sequence is to the kernels that walk the batch by sequence.
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_BATCH_PARAMS_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_BATCH_PARAMS_CUH_
 
@@ -30,6 +31,40 @@ struct BatchParams {
   float mask_value;
   bool visit_masked;  // mask_value > kNegligibleMaskValue: masked positions are visited
 };
+
+// A sequence as the tensor-core and decode-step kernels use it: entries clamped into range
+// (ragged_paged_attention.h); q_len 0 when the entries make no sense (q_len > kv_len,
+// decreasing cu_q_lens).
+struct Sequence {
+  int q_start;
+  int q_len;
+  int kv_len;
+};
+
+__device__ __forceinline__ int NumSeqs(const BatchParams& p) {
+  return min(max(__ldg(p.num_seqs), 0), p.max_num_seqs);
+}
+
+// Rows are owned only from cu_q_lens[0] up to cu_q_lens[num_seqs] (ragged_paged_attention.h);
+// read once per thread, they clamp every sequence's rows.
+struct OwnedRows {
+  int first;
+  int end;
+};
+
+__device__ __forceinline__ OwnedRows OwnedRowsOf(const BatchParams& p, int num_seqs) {
+  const int first = min(max(__ldg(p.cu_q_lens), 0), p.num_tokens);
+  return {first, min(max(__ldg(p.cu_q_lens + num_seqs), first), p.num_tokens)};
+}
+
+__device__ __forceinline__ Sequence ReadSequence(const BatchParams& p, const OwnedRows& rows,
+                                                 int i) {
+  const int q_start = min(max(__ldg(p.cu_q_lens + i), rows.first), rows.end);
+  const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), rows.first), rows.end);
+  const int kv_len = min(max(__ldg(p.kv_lens + i), 0), p.pages_per_seq << p.log2_page_size);
+  const int q_len = q_end - q_start;
+  return {q_start, q_len > 0 && q_len <= kv_len ? q_len : 0, kv_len};
+}
 
 }  // namespace xla_ext::ragged_paged_attention
 

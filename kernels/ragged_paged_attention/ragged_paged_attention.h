@@ -50,6 +50,8 @@
 //   sequences, not sequences from rows: sequence i owns rows cu_q_lens[i]..cu_q_lens[i + 1],
 //   both clamped into [cu_q_lens[0], cu_q_lens[num_seqs]], none if they decrease; with
 //   non-monotone entries two sequences may claim a row, which then gets one of their results.
+//   Beside it, the decode kernel (decode_steps.cuh) takes the sequences whose q_len is 1 after
+//   the same clamps.
 //   With XLA_EXT_DEBUG_CHECKS set it runs DataChecks on the device first and returns the Host
 //   handler's error (kernels/common/debug_checks.cuh).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_

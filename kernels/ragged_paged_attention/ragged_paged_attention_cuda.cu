@@ -1,9 +1,11 @@
 // CUDA xla_ext.ragged_paged_attention: checks, the choice of kernel, and the launches.
 // - attend_tensor_core.cuh: TMA and tensor cores, for f16/bf16 queries and caches of the same
 //   dtype, head_dim up to 128, on Hopper and newer (the serving case): the batch's (query tile,
-//   kv stage) units split evenly over a grid that fills the GPU once, on the device.
+//   kv stage) units split evenly over a grid that fills the GPU once, on the device. Its
+//   sequences with one query row (decode steps) go, after it, to the paged-attention decode
+//   kernel (decode_steps.cuh), which splits them over the GPU in the same way.
 // - attend_simt.cuh: CUDA cores, for everything else (f32, fp8 caches, head_dim 192 and 256,
-//   a mask_value whose masked positions must be visited) and for decode steps.
+//   a mask_value whose masked positions must be visited).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,7 +17,10 @@
 #include "kernels/common/debug_checks.cuh"
 #include "kernels/ragged_paged_attention/attend_simt.cuh"
 #include "kernels/ragged_paged_attention/attend_tensor_core.cuh"
+#include "kernels/paged_attention/attend_tensor_core.cuh"
+#include "kernels/paged_attention/split_kv.cuh"
 #include "kernels/ragged_paged_attention/batch_params.cuh"
+#include "kernels/ragged_paged_attention/decode_steps.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
 #include "xla_ext/registry.h"
 
@@ -23,8 +28,8 @@ namespace xla_ext::ragged_paged_attention {
 namespace {
 
 // XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=simt selects the CUDA-core kernel everywhere and
-// =tensor_core the tensor-core kernel wherever it applies, so that tests and benchmarks can run
-// either where the handler would choose the other.
+// =tensor_core the tensor-core kernel wherever it applies, decode steps included, so that tests
+// and benchmarks can run either where the handler would choose otherwise.
 bool ForceSimt() {
   static const bool force = cuda::EnvIs("XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL", "simt");
   return force;
@@ -33,12 +38,6 @@ bool ForceTensorCore() {
   static const bool force = cuda::EnvIs("XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL", "tensor_core");
   return force;
 }
-
-// A call whose batch holds at most one row per sequence slot (num_tokens <= max_num_seqs: a
-// decode step) runs the CUDA-core kernel: on the H100 it took uniform decode batches in 1/2.3 to
-// 1/2.7 of the tensor-core kernel's time (bench/results/h100-ragged-*.json), whose stage loop is
-// bound by issue and latency there (h100-ncu-ragged.txt). On a long tail it is the slower one.
-bool DecodeShaped(const Shapes& s) { return s.num_tokens <= s.max_num_seqs; }
 
 // What the launches need besides the call's parameters.
 struct Call {
@@ -59,8 +58,7 @@ struct Kernels {
     if constexpr (kHasTensorCore) {
       using Layout = tensor_core::Layout<T, kHeadDim>;
       const Shapes& s = call.shapes;
-      if (ForceSimt() || (DecodeShaped(s) && !ForceTensorCore()) || p.visit_masked ||
-          !call.device.has_value() ||
+      if (ForceSimt() || p.visit_masked || !call.device.has_value() ||
           call.device->major < 9 || Layout::kSharedBytes > call.device->max_shared_bytes) {
         return 0;
       }
@@ -80,10 +78,19 @@ struct Kernels {
   static ffi::Error LaunchTensorCore(const BatchParams& batch, int workers, const Call& call) {
     if constexpr (kHasTensorCore) {
       const Shapes& s = call.shapes;
+      const std::optional<paged_attention::tensor_core::Plan> decode_plan =
+          ForceTensorCore() ? std::nullopt
+                            : paged_attention::tensor_core::MakePlan<T, kHeadDim, DecodeSteps>(
+                                  batch.num_kv_heads, batch.group_size, *call.device);
       tensor_core::Params tp{};
       static_cast<BatchParams&>(tp) = batch;
       tp.num_records = 2 * workers;
       tp.tile_tokens = tensor_core::TileTokens(batch.group_size);
+      tp.decode_steps_elsewhere = decode_plan.has_value();
+      paged_attention::Params decode_steps{};
+      if (decode_plan.has_value()) {
+        XLA_EXT_RETURN_IF_ERROR(PrepareDecodeSteps(batch, *decode_plan, call, decode_steps));
+      }
 
       const size_t pieces_bytes = static_cast<size_t>(s.num_tokens) * sizeof(int4);
       std::optional<void*> pieces = call.scratch.Allocate(pieces_bytes, 16);
@@ -112,7 +119,40 @@ struct Kernels {
       tensor_core::CombineKernel<T, kHeadDim>
           <<<static_cast<unsigned>((rows + tensor_core::kWarps - 1) / tensor_core::kWarps),
              tensor_core::kCombineThreads, 0, call.stream>>>(tp);
+      if (decode_plan.has_value()) {
+        // After the tensor-core kernel's combine, which writes zeros to the decode-step rows.
+        paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{batch},
+                                                          *decode_plan, call.stream);
+      }
     }
+    return ffi::Error::Success();
+  }
+
+  // The decode-step kernel's parameters and scratch (decode_steps.cuh).
+  static ffi::Error PrepareDecodeSteps(const BatchParams& batch,
+                                       const paged_attention::tensor_core::Plan& plan,
+                                       const Call& call, paged_attention::Params& d) {
+    d = DecodeStepParams(batch);
+    const int64_t records = paged_attention::tensor_core::NumRecords(plan, batch.max_num_seqs);
+    if (records > INT32_MAX) {
+      return ArgumentError(kTarget, "kv_lens", "max_num_seqs + CTAs < 2^31",
+                           std::to_string(batch.max_num_seqs) + " sequences");
+    }
+    d.num_records = static_cast<int>(records);
+    const size_t seq_records_bytes = static_cast<size_t>(batch.max_num_seqs) * sizeof(int2);
+    std::optional<void*> seq_records = call.scratch.Allocate(seq_records_bytes, 16);
+    if (!seq_records.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        std::string(kTarget) + ": cannot allocate " +
+                            std::to_string(seq_records_bytes) + " bytes of scratch");
+    }
+    d.seq_records = static_cast<int2*>(*seq_records);
+    cuda::PartialResults partials;
+    XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
+        call.scratch, kTarget, int64_t{batch.num_q_heads} * d.num_records, kHeadDim, partials));
+    d.partial_out = partials.out;
+    d.partial_max = partials.max;
+    d.partial_sum = partials.sum;
     return ffi::Error::Success();
   }
 

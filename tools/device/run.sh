@@ -14,8 +14,9 @@
 #   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
 #   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
-#   ragged:   ragged paged attention: its GPU tests through JAX (tensor-core kernel, then
-#             CUDA-core kernel; memcheck and racecheck over the skewed batches), then
+#   ragged:   ragged paged attention: its GPU tests through JAX (the handler's choice, the
+#             tensor-core kernel everywhere, the CUDA-core kernel everywhere; memcheck and
+#             racecheck over the skewed batches, the handler's choice and tensor-core), then
 #             bench/ragged_bench.py, with FlashInfer's paged prefill unless RAGGED_FLASHINFER=0
 #             (carry .fi, as for decode); RAGGED_TESTS=0 skips the tests, RAGGED_IMPLS picks
 #             the other rows -> <gpu>-ragged-tests.txt, <gpu>-ragged.json
@@ -201,9 +202,11 @@ if [[ $PHASE == ragged ]]; then
         tee -a "$TESTS" || status=1
     done
     for tool in memcheck racecheck; do
-      XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=tensor_core sanitize_run "$tool" 0 \
-        "skewed batches and bad data, tensor-core kernel" \
-        tests/kernels/test_ragged_paged_attention.py -k "skewed or bad_data or padding or window"
+      for kernel in default tensor_core; do
+        XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel sanitize_run "$tool" 0 \
+          "skewed batches and bad data, $kernel kernel choice" \
+          tests/kernels/test_ragged_paged_attention.py -k "skewed or bad_data or padding or window"
+      done
     done
   fi
   step "ragged paged attention against its roofline and FlashInfer's paged prefill: bench/ragged_bench.py"

@@ -1,0 +1,65 @@
+// The decode steps of a ragged batch (its sequences with one query row) as a batch of the
+// paged-attention decode kernel (kernels/paged_attention/attend_tensor_core.cuh), which streams
+// whole token rows of every kv head at close to copy bandwidth. The ragged tensor-core kernel
+// loads one kv head's rows per CTA, a TMA copy of 512 bytes each, and its producer warp issues
+// them one lane at a time: on decode steps that, not the bytes, set its time
+// (bench/results/h100-ncu-ragged-sass-1.csv.gz). So the handler runs both: the ragged kernel on
+// the sequences with more than one query row, this one on the rest.
+#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
+#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
+
+#include <cstdint>
+
+#include "kernels/paged_attention/split_kv.cuh"
+#include "kernels/ragged_paged_attention/batch_params.cuh"
+
+namespace xla_ext::ragged_paged_attention {
+
+// Sequence i of the decode kernel's batch is sequence i of the ragged batch; it has tokens to
+// attend only if it is a decode step (q_len 1 after the clamps of ReadSequence, the same test
+// by which the ragged tensor-core kernel leaves it out), and its row is its query token.
+struct DecodeSteps {
+  BatchParams batch;
+
+  __device__ Sequence StepOf(int seq) const {
+    const int num_seqs = NumSeqs(batch);
+    if (seq >= num_seqs) return {0, 0, 0};
+    const Sequence s = ReadSequence(batch, OwnedRowsOf(batch, num_seqs), seq);
+    return s.q_len == 1 ? s : Sequence{0, 0, 0};
+  }
+  __device__ int Length(const paged_attention::Params&, int seq) const {
+    return StepOf(seq).kv_len;
+  }
+  __device__ int64_t Row(const paged_attention::Params&, int seq) const {
+    const Sequence s = StepOf(seq);
+    return s.q_len == 1 ? s.q_start : -1;
+  }
+};
+
+// The decode kernel's parameters for the ragged batch `p` (its records and seq_records are the
+// caller's): the combined cache, K and V of a kv head interleaved.
+inline paged_attention::Params DecodeStepParams(const BatchParams& p) {
+  paged_attention::Params d{};
+  d.query = p.q;
+  d.key_cache = p.kv_pages;
+  d.value_cache = p.kv_pages;
+  d.block_tables = p.page_indices;
+  d.out = p.out;
+  d.num_seqs = p.max_num_seqs;
+  d.num_heads = p.num_q_heads;
+  d.num_kv_heads = p.num_kv_heads;
+  d.num_blocks = p.num_pages;
+  d.max_blocks_per_seq = p.pages_per_seq;
+  d.log2_block_size = p.log2_page_size;
+  d.num_partitions = 1;
+  d.scale = p.score_scale;
+  d.softcap = p.soft_cap;
+  d.window = p.sliding_window;
+  d.out_scale = p.v_scale;
+  d.kv_interleaved = true;
+  return d;
+}
+
+}  // namespace xla_ext::ragged_paged_attention
+
+#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
