@@ -44,6 +44,15 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp, denormal results flushed to 0,
+// 2^-inf = 0): softmax weights with the logits kept in log2 units cost one instruction each.
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Calls fn(T{}) with T the CUDA element type of a float dtype (f32, f16 or bf16); any other
 // dtype is an error naming `op` (Check() rejects those first: reaching it is a bug).
 template <typename Fn>
