@@ -11,7 +11,7 @@
 //   to CombinePartitionsKernel. One warp per kv head; a token's rows for the CTA's kv heads are
 //   contiguous in the NHD cache, so one TMA bulk copy moves them into shared memory (with K and
 //   V interleaved, as in the ragged op's cache, a token's (K, V) pairs of the CTA's kv heads
-//   are one run, copied as two halves).
+//   are one run: one copy for K and V).
 // - Stages (their K and V rows) stream through a ring of num_stages buffers. A producer warp
 //   walks the CTA's stages and issues the copies, telling the consumers which sequence and
 //   tokens each stage holds; a buffer's `full` mbarrier completes when its
@@ -71,14 +71,23 @@ constexpr int kHeaderBytes =
      kScheduleScratchInts * sizeof(int) + 15) / 16 * 16;
 static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 
+// A stage in shared memory: kStageTokens rows of K (the CTA's kv heads' K rows of a token),
+// then as many of V; with K and V interleaved in the cache, kStageTokens rows of (K, V) pairs.
+// The copies are issued one lane at a time, so fewer, larger ones stream faster: on the ragged
+// op's decode steps at head_dim 64 two copies of 1 KB per token kept the kernel at 37% of copy
+// bandwidth (bench/results/h100-serving-ours.json).
 struct Layout {
   static constexpr int kRowPadding = 16;  // bytes
-  int row_stride;   // bytes of one token's rows in shared memory, padded
-  int stage_bytes;  // K rows then V rows of kStageTokens tokens
+  int row_stride;   // bytes of one copied row in shared memory, padded
+  int stage_bytes;
 
-  static Layout For(int kv_heads_per_cta, int head_size, int element_size) {
-    const int row_stride = kv_heads_per_cta * head_size * element_size + kRowPadding;
-    return {row_stride, 2 * kStageTokens * row_stride};
+  static Layout For(int kv_heads_per_cta, int head_size, int element_size, bool kv_interleaved) {
+    const int row_bytes = kv_heads_per_cta * head_size * element_size;
+    if (kv_interleaved) {
+      const int row_stride = 2 * row_bytes + kRowPadding;
+      return {row_stride, kStageTokens * row_stride};
+    }
+    return {row_bytes + kRowPadding, 2 * kStageTokens * (row_bytes + kRowPadding)};
   }
 };
 
@@ -142,29 +151,26 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   const int num_iters = range.end - range.begin;
 
   if (warp == kv_heads_per_cta) {
-    // Producer: lanes 0-15 copy half 0 of a stage's tokens (their K rows; interleaved, the
-    // (K, V) pairs of the CTA's first half of kv heads), lanes 16-31 half 1 (V rows; the second
-    // half's pairs). The next stage's block-table entry is loaded before waiting for its
-    // buffer. With every kv head in the CTA, the rows of a block's tokens are one contiguous run
-    // per half (interleaved: one for both): one L2 prefetch per run, a stage ahead, turns the
-    // next stage's row copies into L2 hits. Tokens before the window are skipped.
+    // Producer: lanes 0-15 copy the K rows of a stage's tokens, lanes 16-31 their V rows
+    // (interleaved: lanes 0-15 each token's (K, V) pairs, lanes 16-31 nothing). The next
+    // stage's block-table entry is loaded before waiting for its buffer. With every kv head in
+    // the CTA, a block's rows are one contiguous run: one L2 prefetch per run, a stage ahead,
+    // turns the next stage's row copies into L2 hits. Tokens before the window are skipped.
     const int index = lane % kStageTokens;
     const int half = lane / kStageTokens;
+    const bool copier = !p.kv_interleaved || half == 0;
     const uint32_t row_bytes = layout.row_stride - Layout::kRowPadding;
     const int64_t slot_elements =
         (p.kv_interleaved ? 2 : 1) * static_cast<int64_t>(p.num_kv_heads) * kHeadSize;
-    const T* cache =
-        p.kv_interleaved
-            ? static_cast<const T*>(p.key_cache) +
-                  (2 * first_kv_head + half * kv_heads_per_cta) * kHeadSize
-            : static_cast<const T*>(half == 0 ? p.key_cache : p.value_cache) +
-                  first_kv_head * kHeadSize;
+    const T* cache = p.kv_interleaved ? static_cast<const T*>(p.key_cache) +
+                                            2 * first_kv_head * kHeadSize
+                                      : static_cast<const T*>(half == 0 ? p.key_cache
+                                                                        : p.value_cache) +
+                                            first_kv_head * kHeadSize;
     const uint64_t read_once = sm90::EvictFirstPolicy();
     const int prefetch_run =
         kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
-    const uint32_t prefetch_bytes = p.kv_interleaved
-                                        ? (half == 0 ? 2 * prefetch_run * row_bytes : 0)
-                                        : prefetch_run * row_bytes;
+    const uint32_t prefetch_bytes = copier ? prefetch_run * row_bytes : 0;
     cuda::balanced::SequenceWalk walk(length_of, units_of, p.num_seqs, range.first_seq,
                                       range.begin - range.first_seq_begin);
     const auto first_token = [&]() {
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     };
     const auto row_offset = [&]() -> int64_t {
       const int t = first_token() + index;
-      if (t >= walk.length || t < WindowStart(p, walk.length)) return -1;
+      if (!copier || t >= walk.length || t < WindowStart(p, walk.length)) return -1;
       const int block = p.block_tables[static_cast<int64_t>(walk.seq) * p.max_blocks_per_seq +
                                        (t >> p.log2_block_size)];
       if (block < 0 || block >= p.num_blocks) return -1;
@@ -206,7 +212,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
       const uint32_t barrier = sm90::SharedAddress(&full[slot]);
       unsigned char* dst =
           stages + slot * layout.stage_bytes + (half * kStageTokens + index) * layout.row_stride;
-      if (offset < 0) {
+      if (copier && offset < 0) {
         // A skipped token: zeros (weight 0 times finite values), released to the consumers
         // by this lane's arrive below, and ordered before later TMA writes to these bytes.
         for (uint32_t i = 0; i < row_bytes; i += 16) {
@@ -312,18 +318,11 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     }
   };
 
-  // Where this warp's kv head's K and V rows sit in a stage: element e of a token's rows
-  // (K rows then V rows; interleaved, (K, V) pairs) is in half e / half_elements.
-  const int half_elements = kv_heads_per_cta * kHeadSize;
-  const int k_element = p.kv_interleaved ? 2 * warp * kHeadSize : warp * kHeadSize;
-  const int v_element =
-      p.kv_interleaved ? (2 * warp + 1) * kHeadSize : half_elements + warp * kHeadSize;
-  const auto stage_offset = [&](int element) {
-    return static_cast<uint32_t>((element / half_elements) * kStageTokens * layout.row_stride +
-                                 (element % half_elements) * sizeof(T));
-  };
-  const uint32_t k_offset = stage_offset(k_element);
-  const uint32_t v_offset = stage_offset(v_element);
+  // Where this warp's kv head's K and V rows sit in a stage (Layout).
+  const uint32_t k_offset = (p.kv_interleaved ? 2 * warp : warp) * kHeadSize * sizeof(T);
+  const uint32_t v_offset =
+      p.kv_interleaved ? (2 * warp + 1) * kHeadSize * sizeof(T)
+                       : kStageTokens * layout.row_stride + warp * kHeadSize * sizeof(T);
 
   // ldmatrix row addresses of this lane, relative to the warp's first K or V element.
   // K (B of Q K^T, not transposed): matrix j = lane/8 is (tokens 8*(j/2).., columns 8*(j%2)..).
@@ -472,10 +471,11 @@ struct Plan {
 // of the GPU once (each CTA keeps several stages in flight, so one wave streams at full
 // bandwidth, and a single wave has no tail). The kernel splits the tokens between them.
 template <typename T, int kHeadSize, bool kHighRows, typename Batch>
-std::optional<Plan> PlanFor(int num_kv_heads, const cuda::DeviceInfo& device, int kv_heads) {
+std::optional<Plan> PlanFor(int num_kv_heads, bool kv_interleaved,
+                            const cuda::DeviceInfo& device, int kv_heads) {
   Plan plan;
   plan.kv_heads_per_cta = kv_heads;
-  plan.layout = Layout::For(kv_heads, kHeadSize, sizeof(T));
+  plan.layout = Layout::For(kv_heads, kHeadSize, sizeof(T), kv_interleaved);
   const int ctas_per_sm_wanted =
       cuda::CeilDiv(XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM, kv_heads);
   const int share = ctas_per_sm_wanted == 1
@@ -503,15 +503,17 @@ std::optional<Plan> PlanFor(int num_kv_heads, const cuda::DeviceInfo& device, in
 // Every kv head of a token in one CTA (up to the knob) streams whole token rows and lets the
 // kernel prefetch whole blocks into L2.
 template <typename T, int kHeadSize, typename Batch>
-std::optional<Plan> MakePlan(int num_kv_heads, int group_size, const cuda::DeviceInfo& device) {
+std::optional<Plan> MakePlan(int num_kv_heads, int group_size, bool kv_interleaved,
+                             const cuda::DeviceInfo& device) {
   if constexpr (std::is_same_v<T, float>) {
     return std::nullopt;
   } else {
     if (device.major < 9 || group_size > kMaxGroupSize) return std::nullopt;
     const auto plan_for = [&](int kv_heads) {
-      return group_size > 8
-                 ? PlanFor<T, kHeadSize, true, Batch>(num_kv_heads, device, kv_heads)
-                 : PlanFor<T, kHeadSize, false, Batch>(num_kv_heads, device, kv_heads);
+      return group_size > 8 ? PlanFor<T, kHeadSize, true, Batch>(num_kv_heads, kv_interleaved,
+                                                                 device, kv_heads)
+                            : PlanFor<T, kHeadSize, false, Batch>(num_kv_heads, kv_interleaved,
+                                                                  device, kv_heads);
     };
     int kv_heads = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
     while (kv_heads > 1 && num_kv_heads % kv_heads != 0) kv_heads /= 2;

@@ -46,7 +46,8 @@ struct Kernels {
     Plan plan;
     if (!ForceSimt() && device.has_value() && s.num_seqs <= INT32_MAX) {
       plan.tensor_core = tensor_core::MakePlan<T, kHeadSize, SeqLensBatch>(
-          static_cast<int>(s.num_kv_heads), static_cast<int>(s.group_size()), *device);
+          static_cast<int>(s.num_kv_heads), static_cast<int>(s.group_size()),
+          /*kv_interleaved=*/false, *device);
     }
     if (!plan.tensor_core.has_value()) {
       plan.num_partitions =

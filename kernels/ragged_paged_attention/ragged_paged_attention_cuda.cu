@@ -81,7 +81,8 @@ struct Kernels {
       const std::optional<paged_attention::tensor_core::Plan> decode_plan =
           ForceTensorCore() ? std::nullopt
                             : paged_attention::tensor_core::MakePlan<T, kHeadDim, DecodeSteps>(
-                                  batch.num_kv_heads, batch.group_size, *call.device);
+                                  batch.num_kv_heads, batch.group_size,
+                                  /*kv_interleaved=*/true, *call.device);
       tensor_core::Params tp{};
       static_cast<BatchParams&>(tp) = batch;
       tp.num_records = 2 * workers;
