@@ -89,18 +89,28 @@ struct PartialResults {
   float* sum = nullptr;
 };
 
+// `count` elements of T from XLA's scratch allocator into `buffer`, or ResourceExhausted naming
+// `op` and `what` they are for.
+template <typename T>
+::xla::ffi::Error AllocateScratch(::xla::ffi::ScratchAllocator& scratch, std::string_view op,
+                                  int64_t count, std::string_view what, T*& buffer) {
+  const size_t bytes = static_cast<size_t>(count) * sizeof(T);
+  // XLA refuses alignments above 16 bytes (its FFI DeviceMemory_Allocate).
+  std::optional<void*> allocated = scratch.Allocate(bytes, 16);
+  if (!allocated.has_value()) {
+    return ::xla::ffi::Error(::xla::ffi::ErrorCode::kResourceExhausted,
+                             std::string(op) + ": cannot allocate " + std::to_string(bytes) +
+                                 " bytes of scratch for " + std::string(what));
+  }
+  buffer = static_cast<T*>(*allocated);
+  return ::xla::ffi::Error::Success();
+}
+
 inline ::xla::ffi::Error AllocatePartials(::xla::ffi::ScratchAllocator& scratch,
                                           std::string_view op, int64_t slots, int64_t head_size,
                                           PartialResults& partials) {
-  const size_t bytes = static_cast<size_t>(slots * (2 + head_size)) * sizeof(float);
-  // XLA refuses alignments above 16 bytes (its FFI DeviceMemory_Allocate).
-  std::optional<void*> buffer = scratch.Allocate(bytes, 16);
-  if (!buffer.has_value()) {
-    return ::xla::ffi::Error(::xla::ffi::ErrorCode::kResourceExhausted,
-                             std::string(op) + ": cannot allocate " + std::to_string(bytes) +
-                                 " bytes of scratch for the partitions");
-  }
-  partials.out = static_cast<float*>(*buffer);
+  XLA_EXT_RETURN_IF_ERROR(
+      AllocateScratch(scratch, op, slots * (2 + head_size), "the partitions", partials.out));
   partials.max = partials.out + slots * head_size;
   partials.sum = partials.max + slots;
   return ::xla::ffi::Error::Success();

@@ -149,13 +149,8 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   if (plan.tensor_core.has_value()) {
     // Records CTA + sequence (balanced_split.cuh), and where each sequence's are.
     p.num_records = static_cast<int>(records);
-    std::optional<void*> seq_records = scratch.Allocate(s.num_seqs * sizeof(int2), 16);
-    if (!seq_records.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(kTarget) + ": cannot allocate " +
-                            std::to_string(s.num_seqs * sizeof(int2)) + " bytes of scratch");
-    }
-    p.seq_records = static_cast<int2*>(*seq_records);
+    XLA_EXT_RETURN_IF_ERROR(cuda::AllocateScratch(scratch, kTarget, s.num_seqs,
+                                                  "the sequences' records", p.seq_records));
   } else {
     p.num_records = static_cast<int>(records);
   }

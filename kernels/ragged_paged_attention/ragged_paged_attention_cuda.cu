@@ -93,14 +93,8 @@ struct Kernels {
         XLA_EXT_RETURN_IF_ERROR(PrepareDecodeSteps(batch, *decode_plan, call, decode_steps));
       }
 
-      const size_t pieces_bytes = static_cast<size_t>(s.num_tokens) * sizeof(int4);
-      std::optional<void*> pieces = call.scratch.Allocate(pieces_bytes, 16);
-      if (!pieces.has_value()) {
-        return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                          std::string(kTarget) + ": cannot allocate " +
-                              std::to_string(pieces_bytes) + " bytes of scratch");
-      }
-      tp.row_pieces = static_cast<int4*>(*pieces);
+      XLA_EXT_RETURN_IF_ERROR(cuda::AllocateScratch(call.scratch, kTarget, s.num_tokens,
+                                                    "the row pieces", tp.row_pieces));
       cuda::PartialResults partials;
       XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
           call.scratch, kTarget, s.num_kv_heads * tp.num_records * tensor_core::kTileRows,
@@ -109,7 +103,8 @@ struct Kernels {
       tp.partial_max = partials.max;
       tp.partial_sum = partials.sum;
 
-      if (cudaMemsetAsync(tp.row_pieces, 0, pieces_bytes, call.stream) != cudaSuccess) {
+      if (cudaMemsetAsync(tp.row_pieces, 0, s.num_tokens * sizeof(int4), call.stream) !=
+          cudaSuccess) {
         return cuda::LastLaunchError(kTarget);
       }
       tensor_core::AttendKernel<T, kHeadDim>
@@ -140,14 +135,8 @@ struct Kernels {
                            std::to_string(batch.max_num_seqs) + " sequences");
     }
     d.num_records = static_cast<int>(records);
-    const size_t seq_records_bytes = static_cast<size_t>(batch.max_num_seqs) * sizeof(int2);
-    std::optional<void*> seq_records = call.scratch.Allocate(seq_records_bytes, 16);
-    if (!seq_records.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(kTarget) + ": cannot allocate " +
-                            std::to_string(seq_records_bytes) + " bytes of scratch");
-    }
-    d.seq_records = static_cast<int2*>(*seq_records);
+    XLA_EXT_RETURN_IF_ERROR(cuda::AllocateScratch(call.scratch, kTarget, batch.max_num_seqs,
+                                                  "the sequences' records", d.seq_records));
     cuda::PartialResults partials;
     XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
         call.scratch, kTarget, int64_t{batch.num_q_heads} * d.num_records, kHeadDim, partials));
