@@ -1,6 +1,7 @@
 // Ragged paged attention on Hopper tensor cores (mma.sync m16n8k16, FlashAttention-2 layout;
-// TMA bulk copies) for f16/bf16 queries and caches: prefill chunks and decodes in one launch,
-// the work split between the CTAs on the device by the actual q and kv lengths.
+// TMA bulk copies) for f16/bf16 queries and caches: prefill chunks (and decodes, unless the
+// decode-step kernel takes them: decode_steps.cuh) in one launch, the work split between the
+// CTAs on the device by the actual q and kv lengths.
 // - A tile is kTileRows query rows of one sequence and one kv head: TileTokens(group)
 //   consecutive query tokens times the group's query heads (row = token * group + head), so
 //   every K/V row a tile loads serves all of them. Each block of 16 rows is the A operand of
