@@ -3,7 +3,8 @@
     python bench/decode_mixes_bench.py --out bench/results/h100-decode-mixes.json [--flashinfer]
 
 One process, bf16, D=128, block 16, H=32/KVH=8 unless the mix says otherwise (tensor-parallel
-shards of that model have fewer heads per GPU). Each mix (MIXES) is timed as:
+shards of that model have fewer heads per GPU; a 1B-class Llama, as the serving benchmark runs,
+has D=64). Each mix (MIXES) is timed as:
   xla_ext          ours inside an XLA GPU graph (JAX; decode_bench.jax_seconds: the difference
                    of a 40-call and a 20-call chain, so the executable's launch cancels);
   torch_graph      ours through torch.ops.xla_ext.paged_attention on CUDA tensors, CUDA-graph
@@ -53,7 +54,7 @@ def _uniform(n, low, high, seed):
     return [int(x) for x in np.random.default_rng(seed).integers(low, high + 1, n)]
 
 
-# name: (sequence lengths, query heads, kv heads)
+# name: (sequence lengths, query heads, kv heads[, head size: D])
 MIXES = {
     "uniform 32 x 4096": ([4096] * 32, 32, 8),
     "1 x 32768 + 31 x 256": ([32768] + [256] * 31, 32, 8),
@@ -66,11 +67,12 @@ MIXES = {
     "1 x 131072 alone": ([131072], 32, 8),
     "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256": ([32768] + [256] * 31, 16, 4),
     "TP=8 shard (H=4, KVH=1): long tail 64": (_pareto(64, 64, 32768, 1.2, 0), 4, 1),
+    "1B-class Llama step (D=64): 64 x 2048": ([2048] * 64, 32, 8, 64),
 }
 
 
-def kv_bytes(lengths, kv_heads):
-    return 2 * sum(lengths) * kv_heads * D * 2
+def kv_bytes(lengths, kv_heads, head_size):
+    return 2 * sum(lengths) * kv_heads * head_size * 2
 
 
 def uniform_like(lengths):
@@ -79,10 +81,10 @@ def uniform_like(lengths):
     return [total // n + (1 if i < total % n else 0) for i in range(n)]
 
 
-def xla_seconds(data, reps):
+def xla_seconds(data, reps, head_size):
     """Ours through XLA GPU: (seconds per call in a chain, one call's output as float32)."""
     args = decode_bench.jax_args(data)
-    out = jax.jit(lambda *a: decode_bench.ours(*a, D ** -0.5))(*args)
+    out = jax.jit(lambda *a: decode_bench.ours(*a, head_size ** -0.5))(*args)
     seconds = decode_bench.jax_seconds(decode_bench.chained(decode_bench.ours), args, reps)
     return seconds, np.asarray(out.astype(jnp.float32))
 
@@ -142,7 +144,7 @@ def flashinfer_page_table(block_tables, lengths, page_size):
     return indptr.cuda(), indices.int().cuda(), last_page_len.int().cuda()
 
 
-def flashinfer_wrappers(data, heads, kv_heads):
+def flashinfer_wrappers(data, heads, kv_heads, head_size):
     import flashinfer
 
     indptr, indices, last_page_len = flashinfer_page_table(data["block_tables"],
@@ -152,7 +154,7 @@ def flashinfer_wrappers(data, heads, kv_heads):
         workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=tensor_cores)
-        wrapper.plan(indptr, indices, last_page_len, heads, kv_heads, D, BLOCK,
+        wrapper.plan(indptr, indices, last_page_len, heads, kv_heads, head_size, BLOCK,
                      q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         wrappers[name] = (wrapper, workspace)
     return wrappers
@@ -165,18 +167,19 @@ def row(mix, impl, seconds, nbytes, copy, **extra):
             "pct_of_copy": round(100 * gbps / copy, 1)} | extra
 
 
-def mix_rows(mix, lengths, heads, kv_heads, reps, copy, with_flashinfer):
-    nbytes = kv_bytes(lengths, kv_heads)
-    data = sample_inputs.paged_attention(lengths, heads, kv_heads, D, BLOCK, torch.bfloat16,
-                                         device="cuda")
+def mix_rows(mix, lengths, heads, kv_heads, head_size, reps, copy, with_flashinfer):
+    nbytes = kv_bytes(lengths, kv_heads, head_size)
+    data = sample_inputs.paged_attention(lengths, heads, kv_heads, head_size, BLOCK,
+                                         torch.bfloat16, device="cuda")
     meta = {"num_seqs": len(lengths), "total_tokens": sum(lengths), "max_len": max(lengths),
-            "heads": heads, "kv_heads": kv_heads, "kv_mb": round(nbytes / 1e6, 1)}
+            "heads": heads, "kv_heads": kv_heads, "head_size": head_size,
+            "kv_mb": round(nbytes / 1e6, 1)}
     rows = []
-    seconds, xla_out = xla_seconds(data, reps)
+    seconds, xla_out = xla_seconds(data, reps, head_size)
     rows.append(row(mix, "xla_ext", seconds, nbytes, copy, **meta))
 
     args = (data["query"], data["key_cache"], data["value_cache"], data["block_tables"],
-            data["seq_lens"], D ** -0.5)
+            data["seq_lens"], head_size ** -0.5)
     call = lambda: torch.ops.xla_ext.paged_attention(*args)  # noqa: E731
     torch_out = call().float()
     diff_xla = float((torch_out.cpu() - torch.from_numpy(xla_out)).abs().max())
@@ -187,7 +190,8 @@ def mix_rows(mix, lengths, heads, kv_heads, reps, copy, with_flashinfer):
 
     if with_flashinfer:
         try:
-            for name, (wrapper, _) in flashinfer_wrappers(data, heads, kv_heads).items():
+            for name, (wrapper, _) in flashinfer_wrappers(data, heads, kv_heads,
+                                                          head_size).items():
                 q, k, v = data["query"], data["key_cache"], data["value_cache"]
                 run = lambda w=wrapper: w.run(q, (k, v))  # noqa: E731
                 diff = float((run().float() - torch_out).abs().max())
@@ -198,9 +202,9 @@ def mix_rows(mix, lengths, heads, kv_heads, reps, copy, with_flashinfer):
                          "error": repr(e)[:300]})
     del data, args
     uniform = uniform_like(lengths)
-    data = sample_inputs.paged_attention(uniform, heads, kv_heads, D, BLOCK, torch.bfloat16,
-                                         device="cuda")
-    seconds, _ = xla_seconds(data, reps)
+    data = sample_inputs.paged_attention(uniform, heads, kv_heads, head_size, BLOCK,
+                                         torch.bfloat16, device="cuda")
+    seconds, _ = xla_seconds(data, reps, head_size)
     rows.append(row(mix, "uniform_xla_ext", seconds, nbytes, copy, lengths=uniform[0]))
     del data
     torch.cuda.empty_cache()
@@ -218,11 +222,12 @@ def main():
     copy = decode_bench.copy_gbps(args.reps)
     result = {"copy_gbps": round(copy, 1), "device": torch.cuda.get_device_name(),
               "block_size": BLOCK, "head_size": D, "dtype": "bfloat16", "rows": []}
-    for mix, (lengths, heads, kv_heads) in MIXES.items():
+    for mix, (lengths, heads, kv_heads, *head_size) in MIXES.items():
         if args.only and not any(part in mix for part in args.only.split("|")):
             continue
         try:
-            rows = mix_rows(mix, lengths, heads, kv_heads, args.reps, copy, args.flashinfer)
+            rows = mix_rows(mix, lengths, heads, kv_heads, head_size[0] if head_size else D,
+                            args.reps, copy, args.flashinfer)
         except Exception as e:  # a failing row is reported, and the others still run
             rows = [{"op": "paged_attention", "shape": mix, "error": repr(e)[:300]}]
         result["rows"] += rows

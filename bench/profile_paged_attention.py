@@ -1,5 +1,5 @@
 """Launches the CUDA paged-attention handler on one batch through torch, for a profiler (bf16,
-D=128, block 16): B=32, L=4096, H=32, KVH=8 by default, or a mix of bench/decode_mixes_bench.py.
+block 16): B=32, L=4096, H=32, KVH=8, D=128 by default, or a mix of bench/decode_mixes_bench.py.
 
     ncu --kernel-name regex:AttendTensorCore --launch-skip 2 --launch-count 1 \\
         python3 bench/profile_paged_attention.py [--mix "TP=8 shard (H=4, KVH=1): long tail 64"]
@@ -19,6 +19,7 @@ D, BLOCK = 128, 16
 parser = argparse.ArgumentParser()
 parser.add_argument("--mix", help="a key of decode_mixes_bench.MIXES")
 args = parser.parse_args()
+head_size = D
 if args.mix is None:
     lengths, heads, kv_heads = [4096] * 32, 32, 8
 else:
@@ -27,9 +28,10 @@ else:
 
     if args.mix not in MIXES:
         parser.error(f"--mix: expected one of {sorted(MIXES)}, got {args.mix!r}")
-    lengths, heads, kv_heads = MIXES[args.mix]
-inputs = sample_inputs.paged_attention(lengths, heads, kv_heads, D, BLOCK, torch.bfloat16,
-                                       device="cuda")
+    lengths, heads, kv_heads, *rest = MIXES[args.mix]
+    head_size = rest[0] if rest else D
+inputs = sample_inputs.paged_attention(lengths, heads, kv_heads, head_size, BLOCK,
+                                       torch.bfloat16, device="cuda")
 for _ in range(4):
-    torch.ops.xla_ext.paged_attention(**inputs, scale=D ** -0.5)
+    torch.ops.xla_ext.paged_attention(**inputs, scale=head_size ** -0.5)
 torch.cuda.synchronize()

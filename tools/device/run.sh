@@ -187,7 +187,7 @@ ncu_profile() {
 [[ $PHASE == ncu_mixes ]] && ncu_profile "$GPU-ncu-mixes.txt" "AttendTensorCore|CombinePartitions" \
   bench/profile_paged_attention.py "TP=8 shard (H=4, KVH=1): long tail 64" \
   "many very short: 256 x 32" "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256" \
-  "1 x 32768 + 31 x 256"
+  "1 x 32768 + 31 x 256" "1B-class Llama step (D=64): 64 x 2048"
 [[ $PHASE == ncu_ragged ]] && ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|CombineKernel" \
   bench/profile_ragged_attention.py "decode 64 x 2048" "prefill 4 x 2048"
 
