@@ -15,10 +15,10 @@
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
-#include "kernels/ragged_paged_attention/attend_simt.cuh"
-#include "kernels/ragged_paged_attention/attend_tensor_core.cuh"
 #include "kernels/paged_attention/attend_tensor_core.cuh"
 #include "kernels/paged_attention/split_kv.cuh"
+#include "kernels/ragged_paged_attention/attend_simt.cuh"
+#include "kernels/ragged_paged_attention/attend_tensor_core.cuh"
 #include "kernels/ragged_paged_attention/batch_params.cuh"
 #include "kernels/ragged_paged_attention/decode_steps.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
