@@ -1,7 +1,7 @@
 // Thin wrappers over the PTX that Hopper kernels stream memory with: mbarriers, TMA bulk copies
-// (cp.async.bulk), named barriers, ldmatrix and the m16n8k16 tensor-core MMA. Each compiles to
-// one instruction; callers guard their use with `#if __CUDA_ARCH__ >= 900` (ldmatrix and mma
-// exist from sm_80).
+// (cp.async.bulk) and cp.async, named barriers, ldmatrix and the m16n8k16 tensor-core MMA.
+// Each compiles to one instruction; callers guard their use with `#if __CUDA_ARCH__ >= 900`
+// (ldmatrix and mma exist from sm_80).
 #ifndef XLA_EXT_KERNELS_COMMON_SM90_CUH_
 #define XLA_EXT_KERNELS_COMMON_SM90_CUH_
 
@@ -87,6 +87,20 @@ __device__ __forceinline__ void BulkCopyToShared(uint32_t dst, const void* src, 
       " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(barrier), "l"(policy)
       : "memory");
+}
+
+// cp.async of 16 bytes (both addresses 16-byte aligned): src_bytes 16 copies them, 0 writes
+// zeros without reading `src`.
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// One arrival on the barrier, made once this thread's earlier cp.async copies have landed
+// (.noinc: it is one of the arrivals the barrier was initialised to expect).
+__device__ __forceinline__ void CopyAsyncArrive(uint32_t barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
 }
 
 // Starts bringing `bytes` (a multiple of 16) of global memory into L2.

@@ -1,19 +1,12 @@
-// Ragged paged attention on Hopper tensor cores (mma.sync m16n8k16, FlashAttention-2 layout;
-// TMA bulk copies) for f16/bf16 queries and caches: prefill chunks (and decodes, unless the
-// decode-step kernel takes them: decode_steps.cuh) in one launch, the work split between the
-// CTAs on the device by the actual q and kv lengths.
-// - A tile is kTileRows query rows of one sequence and one kv head: TileTokens(group)
-//   consecutive query tokens times the group's query heads (row = token * group + head), so
-//   every K/V row a tile loads serves all of them. Each block of 16 rows is the A operand of
-//   S = Q K^T for one consumer warp; a tile of one or two blocks (decodes, short chunks) has
-//   several warps per block, each taking its share of every stage's positions, merged at the
-//   tile's end.
-// - A tile attends to kv positions from its first token's window start (0 without a window) to
-//   its last token's position, in stages of kStageTokens positions: its units of work. The
-//   units of every tile of every sequence, in order, are split evenly between the CTAs of a kv
-//   head (kernels/common/balanced_split.cuh, the decode kernel's scheduler, with a sequence's
-//   units the stages of its tiles). A CTA walks its range of (tile, stage) units; a tile may
-//   span CTAs, a CTA may hold many tiles.
+// Ragged paged attention on tensor cores with mma.sync m16n8k16 (FlashAttention-2 layout; TMA
+// bulk copies) for f16/bf16 queries and caches on Hopper: prefill chunks (and decodes, unless
+// the decode-step kernel takes them: decode_steps.cuh) in one launch, over the tiles and
+// (tile, stage) units of tiled_batch.cuh, split between the CTAs on the device by the actual q
+// and kv lengths. attend_warpgroup.cuh (wgmma) takes the head sizes it has; this kernel the
+// others up to 128.
+// - A tile is kTileRows rows. Each block of 16 rows is the A operand of S = Q K^T for one
+//   consumer warp; a tile of one or two blocks (decodes, short chunks) has several warps per
+//   block, each taking its share of every stage's positions, merged at the tile's end.
 // - As in the decode kernel, stages stream through a ring of kStages buffers: a producer warp
 //   walks the same units and copies each position's K and V rows (adjacent in the cache) with
 //   one TMA bulk copy, zero-filling positions past the tile's last one or in a page outside
@@ -21,12 +14,6 @@
 //   have landed, its `empty` one when every consumer thread is done with it. No CTA-wide
 //   barrier in the loop (an earlier version, whose threads all issued 16-byte cp.async copies
 //   with a barrier per stage, was bound by issue and latency: bench/README.md).
-// - A tile one CTA holds whole is written to `out` directly. Only a CTA's first and last tiles
-//   can be pieces of a split tile: their (max, sum, unnormalised output) rows go to records
-//   2 * CTA (first) and 2 * CTA + 1 (last), so the host sizes the records by the grid alone.
-//   The CTA holding a tile's first stage tells its tokens' rows where their records are
-//   (row_pieces); CombineKernel merges them, and writes zeros to rows no tile holds (padding,
-//   sequences with q_len > kv_len).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
 
@@ -36,7 +23,7 @@
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
-#include "kernels/ragged_paged_attention/batch_params.cuh"
+#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 
 namespace xla_ext::ragged_paged_attention::tensor_core {
 
@@ -44,115 +31,12 @@ namespace xla_ext::ragged_paged_attention::tensor_core {
 // may hold up to 255 registers each (9 warps would be capped at 168 and spill).
 constexpr int kWarps = 7;
 constexpr int kThreads = (kWarps + 1) * 32;
-constexpr int kCombineThreads = kWarps * 32;
 constexpr int kTileRows = kWarps * 16;
-constexpr int kStageTokens = 64;  // kv positions per stage: 8 n8 tiles of S, 4 k16 steps of P V
 constexpr int kStages = 4;
-constexpr int kMinCtaStages = 2;  // the fewest units a CTA takes
-constexpr int kRowPadding = 16;   // bytes: ldmatrix's 8 rows fall in distinct banks
-
-// Query tokens per tile with GQA groups of `group` heads.
-__host__ __device__ constexpr int TileTokens(int group) { return kTileRows / group; }
-
-struct Params : BatchParams {
-  // Per query token: {first record, pieces, the tile's first token, 0}; pieces 1: written
-  // directly; all zero (the host clears them): no tile holds the token.
-  int4* row_pieces;
-  // Records [num_kv_heads, num_records, kTileRows] (partial_out: x head_dim): a piece's
-  // running max (in log2 units), sum and unnormalised output per row.
-  float* partial_out;
-  float* partial_max;
-  float* partial_sum;
-  int num_records;  // per kv head: 2 * gridDim.x
-  int tile_tokens;
-  // Sequences with one query row are left to the decode-step kernel (decode_steps.cuh), which
-  // runs after this one and its combine (which writes zeros to their rows meanwhile).
-  bool decode_steps_elsewhere;
-};
-
-// A sequence this kernel attends: none of its rows when the decode-step kernel takes it.
-__device__ __forceinline__ Sequence TiledSequence(const Params& p, const OwnedRows& rows,
-                                                  int i) {
-  Sequence s = ReadSequence(p, rows, i);
-  if (p.decode_steps_elsewhere && s.q_len == 1) s.q_len = 0;
-  return s;
-}
-
-struct Tile {
-  int first_token;  // within the sequence
-  int tokens;
-  int first_pos;    // the first token's kv position
-  int first_stage;  // of the sequence's kv positions
-  int stages;
-};
-
-__device__ __forceinline__ int TilesOf(const Params& p, const Sequence& s) {
-  return (s.q_len + p.tile_tokens - 1) / p.tile_tokens;
-}
-
-__device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j) {
-  Tile t;
-  t.first_token = j * p.tile_tokens;
-  t.tokens = min(p.tile_tokens, s.q_len - t.first_token);
-  t.first_pos = s.kv_len - s.q_len + t.first_token;
-  const int end = t.first_pos + t.tokens;  // past the last token's position
-  const int begin = p.sliding_window > 0 ? max(0, t.first_pos - p.sliding_window + 1) : 0;
-  t.first_stage = begin / kStageTokens;
-  t.stages = (end + kStageTokens - 1) / kStageTokens - t.first_stage;
-  return t;
-}
-
-__device__ __forceinline__ int UnitsOf(const Params& p, const OwnedRows& rows, int seq) {
-  const Sequence s = TiledSequence(p, rows, seq);
-  int units = 0;
-  for (int j = 0, tiles = TilesOf(p, s); j < tiles; ++j) units += TileOf(p, s, j).stages;
-  return units;
-}
-
-// A walk over consecutive units (every thread of the CTA holds the same one).
-struct UnitWalk {
-  OwnedRows rows;
-  int seq;
-  Sequence s;
-  int tile;
-  Tile t;
-  int tile_begin;  // the unit (of the whole list) where the tile starts
-  int stage;       // within the tile
-
-  // Starts at `unit`, which lies in sequence `seq`, whose units start at `seq_begin`.
-  __device__ void Start(const Params& p, const OwnedRows& owned, int first_seq, int seq_begin,
-                        int unit) {
-    rows = owned;
-    seq = first_seq;
-    s = TiledSequence(p, rows, seq);
-    tile = 0;
-    t = TileOf(p, s, 0);
-    tile_begin = seq_begin;
-    while (unit >= tile_begin + t.stages) {
-      tile_begin += t.stages;
-      t = TileOf(p, s, ++tile);
-    }
-    stage = unit - tile_begin;
-  }
-
-  // To the next unit; the caller knows there is one.
-  __device__ void Next(const Params& p) {
-    if (++stage < t.stages) return;
-    stage = 0;
-    tile_begin += t.stages;
-    if (++tile < TilesOf(p, s)) {
-      t = TileOf(p, s, tile);
-      return;
-    }
-    do {
-      s = TiledSequence(p, rows, ++seq);
-    } while (s.q_len == 0);
-    tile = 0;
-    t = TileOf(p, s, 0);
-  }
-
-  __device__ int FirstPosition() const { return (t.first_stage + stage) * kStageTokens; }
-};
+constexpr int kRowPadding = 16;  // bytes: ldmatrix's 8 rows fall in distinct banks
+using tiled::kStageTokens;       // 8 n8 tiles of S, 4 k16 steps of P V
+using tiled::Params;
+using tiled::UnitWalk;
 
 // Shared memory: per stage a `full` and an `empty` mbarrier and the mask of its positions
 // that have a row, the scheduler's scratch, then the stages (per position its K row then its V
@@ -206,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
   // (Its barriers also publish the mbarrier initialisation to the CTA.)
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      num_seqs, kMinCtaStages, [&](int seq) { return UnitsOf(p, owned_rows, seq); },
+      num_seqs, tiled::kMinCtaStages, [&](int seq) { return tiled::UnitsOf(p, owned_rows, seq); },
       schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;
@@ -344,13 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     const int warp_last_token = min((16 * row_block + 15) / group, w.t.tokens - 1);
     warp_first_pos = w.t.first_pos + warp_first_token;
     warp_last_pos = active ? w.t.first_pos + warp_last_token : -1;
-    if (w.stage == 0 && blockIdx.y == 0 && threadIdx.x < w.t.tokens) {
-      // This CTA holds the tile's first stage: say where its rows' results will be.
-      const int last_cta = (w.tile_begin + w.t.stages - 1) / range.chunk;
-      const int first_record = 2 * blockIdx.x + (w.tile_begin == range.begin ? 0 : 1);
-      p.row_pieces[first_token + threadIdx.x] =
-          make_int4(first_record, last_cta - static_cast<int>(blockIdx.x) + 1, first_token, 0);
-    }
+    tiled::AnnounceTile(p, w, range);
   };
 
   // Writes this CTA's piece of the tile: `out` itself when it is the whole tile, else its
@@ -419,9 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
           dst[n * 4] = sm90::Pack<T>(o[n][2 * r] * scale, o[n][2 * r + 1] * scale);
         }
       } else {
-        const int record = 2 * blockIdx.x + (piece_first_unit == range.begin ? 0 : 1);
-        const int64_t at =
-            (static_cast<int64_t>(kv_head) * p.num_records + record) * kTileRows + rows[r];
+        const int64_t at = tiled::RecordRow(p, range, piece_first_unit, rows[r]);
         float2* dst = reinterpret_cast<float2*>(p.partial_out + at * kHeadDim + col);
 #pragma unroll
         for (int n = 0; n < kTiles; ++n) dst[n * 4] = make_float2(o[n][2 * r], o[n][2 * r + 1]);
@@ -576,58 +452,6 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 #else
   __trap();  // launched only on sm_90 and newer (see the plan)
 #endif
-}
-
-// One warp per (token, query head): a token no tile holds gets zeros; one whose tile was split
-// gets out = v_scale * sum_i w_i o_i / sum_i w_i l_i over its pieces' records i,
-// w_i = 2^(m_i - max_i m_i) (maxima in log2 units; a piece that saw nothing has m_i = -inf:
-// weight 0).
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kCombineThreads) CombineKernel(Params p) {
-  constexpr int kPerLane = (kHeadDim + 31) / 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= static_cast<int64_t>(p.num_tokens) * p.num_q_heads) return;
-  const int token = static_cast<int>(row / p.num_q_heads);
-  const int head = static_cast<int>(row % p.num_q_heads);
-  const int4 pieces = p.row_pieces[token];
-  T* out = static_cast<T*>(p.out) + row * kHeadDim;
-  if (pieces.y == 1) return;
-  float acc[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.0f;
-  float sum = 0.0f;
-  if (pieces.y > 1) {
-    const int kv_head = head / p.group_size;
-    const int tile_row = (token - pieces.z) * p.group_size + head % p.group_size;
-    const auto at = [&](int piece) {  // the piece's record row
-      const int record = piece == 0 ? pieces.x : 2 * (pieces.x / 2 + piece);
-      return (static_cast<int64_t>(kv_head) * p.num_records + record) * kTileRows + tile_row;
-    };
-    float row_max = -INFINITY;
-    for (int i = 0; i < pieces.y; ++i) row_max = fmaxf(row_max, p.partial_max[at(i)]);
-    if (row_max != -INFINITY) {
-      for (int i = 0; i < pieces.y; ++i) {
-        const int64_t record = at(i);
-        const float m = p.partial_max[record];
-        if (m == -INFINITY) continue;
-        const float weight = cuda::Exp2(m - row_max);
-        sum += weight * p.partial_sum[record];
-        const float* partial = p.partial_out + record * kHeadDim;
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          const int d = lane + 32 * k;
-          if (d < kHeadDim) acc[k] += weight * partial[d];
-        }
-      }
-    }
-  }
-  const float scale = sum > 0.0f ? p.v_scale / sum : 0.0f;
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    const int d = lane + 32 * k;
-    if (d < kHeadDim) out[d] = cuda::FromFloat<T>(acc[k] * scale);
-  }
 }
 
 }  // namespace xla_ext::ragged_paged_attention::tensor_core

@@ -1,9 +1,11 @@
 // CUDA xla_ext.ragged_paged_attention: checks, the choice of kernel, and the launches.
-// - attend_tensor_core.cuh: TMA and tensor cores, for f16/bf16 queries and caches of the same
-//   dtype, head_dim up to 128, on Hopper and newer (the serving case): the batch's (query tile,
-//   kv stage) units split evenly over a grid that fills the GPU once, on the device. Its
-//   sequences with one query row (decode steps) go, after it, to the paged-attention decode
-//   kernel (decode_steps.cuh), which splits them over the GPU in the same way.
+// - The tiled kernels (tiled_batch.cuh) for f16/bf16 queries and caches of the same dtype on
+//   Hopper (the serving case): the batch's (query tile, kv stage) units split evenly over a
+//   grid that fills the GPU once, on the device. attend_warpgroup.cuh (wgmma) for head_dim 64
+//   and 128 on compute capability 9.x, attend_tensor_core.cuh (mma.sync, TMA) for the other
+//   head sizes up to 128 and newer GPUs. Their sequences with one query row (decode steps) go,
+//   after them, to the paged-attention decode kernel (decode_steps.cuh), which splits them
+//   over the GPU in the same way.
 // - attend_simt.cuh: CUDA cores, for everything else (f32, fp8 caches, head_dim 192 and 256,
 //   a mask_value whose masked positions must be visited).
 #include <algorithm>
@@ -19,23 +21,29 @@
 #include "kernels/paged_attention/split_kv.cuh"
 #include "kernels/ragged_paged_attention/attend_simt.cuh"
 #include "kernels/ragged_paged_attention/attend_tensor_core.cuh"
+#include "kernels/ragged_paged_attention/attend_warpgroup.cuh"
 #include "kernels/ragged_paged_attention/batch_params.cuh"
 #include "kernels/ragged_paged_attention/decode_steps.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
+#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 #include "xla_ext/registry.h"
 
 namespace xla_ext::ragged_paged_attention {
 namespace {
 
-// XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=simt selects the CUDA-core kernel everywhere and
-// =tensor_core the tensor-core kernel wherever it applies, decode steps included, so that tests
-// and benchmarks can run either where the handler would choose otherwise.
+// XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=simt, =tensor_core or =warpgroup selects that kernel
+// wherever it applies (the tiled ones on decode steps too), so that tests and benchmarks can
+// run each where the handler would choose otherwise.
 bool ForceSimt() {
   static const bool force = cuda::EnvIs("XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL", "simt");
   return force;
 }
 bool ForceTensorCore() {
   static const bool force = cuda::EnvIs("XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL", "tensor_core");
+  return force;
+}
+bool ForceWarpgroup() {
+  static const bool force = cuda::EnvIs("XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL", "warpgroup");
   return force;
 }
 
@@ -52,41 +60,73 @@ template <typename T, typename KV, int kHeadDim>
 struct Kernels {
   static constexpr bool kHasTensorCore =
       std::is_same_v<T, KV> && !std::is_same_v<T, float> && kHeadDim <= 128;
+  static constexpr bool kHasWarpgroup = kHasTensorCore && warpgroup::HasHeadDim(kHeadDim);
 
-  // CTAs per kv head of the tensor-core kernel's grid, or 0 where it does not apply.
-  static int TensorCoreWorkers(const BatchParams& p, const Call& call) {
-    if constexpr (kHasTensorCore) {
-      using Layout = tensor_core::Layout<T, kHeadDim>;
-      const Shapes& s = call.shapes;
-      if (ForceSimt() || p.visit_masked || !call.device.has_value() ||
-          call.device->major < 9 || Layout::kSharedBytes > call.device->max_shared_bytes) {
-        return 0;
-      }
-      // Units (tile, stage) of the whole batch stay well inside int.
-      const int64_t tile_tokens = tensor_core::TileTokens(p.group_size);
-      const int64_t tiles = (s.num_tokens + tile_tokens - 1) / tile_tokens + s.max_num_seqs;
-      if (tiles * (s.capacity() / tensor_core::kStageTokens + 2) > INT32_MAX / 2) return 0;
-      const int ctas_per_sm = cuda::CtasPerSm(
-          reinterpret_cast<const void*>(&tensor_core::AttendKernel<T, kHeadDim>), *call.device,
-          tensor_core::kThreads, Layout::kSharedBytes);
-      return static_cast<int>(
-          std::max<int64_t>(1, int64_t{call.device->sms} * ctas_per_sm / s.num_kv_heads));
+  // A tiled kernel and its grid: CTAs per kv head.
+  struct Tiled {
+    void (*attend)(tiled::Params);
+    int threads;
+    int shared_bytes;
+    int tile_rows;
+    int workers;
+  };
+
+  // The tiled kernel for the call, or nullopt where none applies.
+  static std::optional<Tiled> ChooseTiled(const BatchParams& p, const Call& call) {
+    if (ForceSimt() || p.visit_masked || !call.device.has_value() || call.device->major < 9) {
+      return std::nullopt;
     }
-    return 0;
+    if constexpr (kHasWarpgroup) {
+      // Its producer indexes cache rows (page * page_size + offset) in int.
+      if (!ForceTensorCore() && call.device->major == 9 &&
+          call.shapes.num_pages * call.shapes.page_size <= INT32_MAX) {
+        if (auto tiled = Sized(&warpgroup::AttendKernel<T, kHeadDim>, warpgroup::kThreads,
+                               warpgroup::Layout<T, kHeadDim>::kSharedBytes,
+                               warpgroup::kTileRows, p, call)) {
+          return tiled;
+        }
+      }
+    }
+    if constexpr (kHasTensorCore) {
+      return Sized(&tensor_core::AttendKernel<T, kHeadDim>, tensor_core::kThreads,
+                   tensor_core::Layout<T, kHeadDim>::kSharedBytes, tensor_core::kTileRows, p,
+                   call);
+    }
+    return std::nullopt;
   }
 
-  static ffi::Error LaunchTensorCore(const BatchParams& batch, int workers, const Call& call) {
+  static std::optional<Tiled> Sized(void (*attend)(tiled::Params), int threads, int shared_bytes,
+                                    int tile_rows, const BatchParams& p, const Call& call) {
+    const Shapes& s = call.shapes;
+    if (shared_bytes > call.device->max_shared_bytes || p.group_size > tile_rows) {
+      return std::nullopt;
+    }
+    // Units (tile, stage) of the whole batch stay well inside int.
+    const int64_t tile_tokens = tile_rows / p.group_size;
+    const int64_t tiles = (s.num_tokens + tile_tokens - 1) / tile_tokens + s.max_num_seqs;
+    if (tiles * (s.capacity() / tiled::kStageTokens + 2) > INT32_MAX / 2) return std::nullopt;
+    const int ctas_per_sm = cuda::CtasPerSm(reinterpret_cast<const void*>(attend), *call.device,
+                                            threads, shared_bytes);
+    if (ctas_per_sm == 0) return std::nullopt;
+    const int workers = static_cast<int>(
+        std::max<int64_t>(1, int64_t{call.device->sms} * ctas_per_sm / s.num_kv_heads));
+    return Tiled{attend, threads, shared_bytes, tile_rows, workers};
+  }
+
+  static ffi::Error LaunchTiled(const BatchParams& batch, const Tiled& kernel, const Call& call) {
     if constexpr (kHasTensorCore) {
       const Shapes& s = call.shapes;
       const std::optional<paged_attention::tensor_core::Plan> decode_plan =
-          ForceTensorCore() ? std::nullopt
-                            : paged_attention::tensor_core::MakePlan<T, kHeadDim, DecodeSteps>(
-                                  batch.num_kv_heads, batch.group_size,
-                                  /*kv_interleaved=*/true, *call.device);
-      tensor_core::Params tp{};
+          ForceTensorCore() || ForceWarpgroup()
+              ? std::nullopt
+              : paged_attention::tensor_core::MakePlan<T, kHeadDim, DecodeSteps>(
+                    batch.num_kv_heads, batch.group_size,
+                    /*kv_interleaved=*/true, *call.device);
+      tiled::Params tp{};
       static_cast<BatchParams&>(tp) = batch;
-      tp.num_records = 2 * workers;
-      tp.tile_tokens = tensor_core::TileTokens(batch.group_size);
+      tp.num_records = 2 * kernel.workers;
+      tp.tile_rows = kernel.tile_rows;
+      tp.tile_tokens = kernel.tile_rows / batch.group_size;
       tp.decode_steps_elsewhere = decode_plan.has_value();
       paged_attention::Params decode_steps{};
       if (decode_plan.has_value()) {
@@ -97,8 +137,8 @@ struct Kernels {
                                                     "the row pieces", tp.row_pieces));
       cuda::PartialResults partials;
       XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
-          call.scratch, kTarget, s.num_kv_heads * tp.num_records * tensor_core::kTileRows,
-          kHeadDim, partials));
+          call.scratch, kTarget, s.num_kv_heads * tp.num_records * kernel.tile_rows, kHeadDim,
+          partials));
       tp.partial_out = partials.out;
       tp.partial_max = partials.max;
       tp.partial_sum = partials.sum;
@@ -107,16 +147,15 @@ struct Kernels {
           cudaSuccess) {
         return cuda::LastLaunchError(kTarget);
       }
-      tensor_core::AttendKernel<T, kHeadDim>
-          <<<dim3(static_cast<unsigned>(workers), static_cast<unsigned>(s.num_kv_heads)),
-             tensor_core::kThreads, tensor_core::Layout<T, kHeadDim>::kSharedBytes,
-             call.stream>>>(tp);
+      kernel.attend<<<dim3(static_cast<unsigned>(kernel.workers),
+                           static_cast<unsigned>(s.num_kv_heads)),
+                      kernel.threads, kernel.shared_bytes, call.stream>>>(tp);
       const int64_t rows = s.num_tokens * s.num_q_heads;
-      tensor_core::CombineKernel<T, kHeadDim>
-          <<<static_cast<unsigned>((rows + tensor_core::kWarps - 1) / tensor_core::kWarps),
-             tensor_core::kCombineThreads, 0, call.stream>>>(tp);
+      tiled::CombineKernel<T, kHeadDim>
+          <<<static_cast<unsigned>((rows + tiled::kCombineWarps - 1) / tiled::kCombineWarps),
+             tiled::kCombineWarps * 32, 0, call.stream>>>(tp);
       if (decode_plan.has_value()) {
-        // After the tensor-core kernel's combine, which writes zeros to the decode-step rows.
+        // After the tiled kernel's combine, which writes zeros to the decode-step rows.
         paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{batch},
                                                           *decode_plan, call.stream);
       }
@@ -157,8 +196,8 @@ struct Kernels {
   }
 
   static ffi::Error Launch(const BatchParams& batch, const Call& call) {
-    if (const int workers = TensorCoreWorkers(batch, call); workers > 0) {
-      return LaunchTensorCore(batch, workers, call);
+    if (const std::optional<Tiled> tiled = ChooseTiled(batch, call)) {
+      return LaunchTiled(batch, *tiled, call);
     }
     simt::Params p{};
     static_cast<BatchParams&>(p) = batch;

@@ -15,7 +15,7 @@
 #   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
 #   ragged:   ragged paged attention: its GPU tests through JAX (the handler's choice, the
-#             tensor-core kernel everywhere, the CUDA-core kernel everywhere; memcheck and
+#             wgmma, mma.sync and CUDA-core kernels each everywhere; memcheck and
 #             racecheck over the skewed batches, the handler's choice and tensor-core), then
 #             bench/ragged_bench.py, with FlashInfer's paged prefill unless RAGGED_FLASHINFER=0
 #             (carry .fi, as for decode); RAGGED_TESTS=0 skips the tests, RAGGED_IMPLS picks
@@ -196,7 +196,7 @@ if [[ $PHASE == ragged ]]; then
     step "ragged paged attention through JAX on the GPU: the handler's choice, then each kernel everywhere"
     XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/kernels/test_ragged_paged_attention.py 2>&1 | \
       tail -3 | tee -a "$TESTS" || status=1
-    for kernel in tensor_core simt; do
+    for kernel in warpgroup tensor_core simt; do
       XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
         tests/kernels/test_ragged_paged_attention.py 2>&1 | tail -1 | sed "s/^/$kernel kernel: /" | \
         tee -a "$TESTS" || status=1

@@ -1,0 +1,398 @@
+// Ragged paged attention on Hopper's warpgroup MMA (wgmma, FlashAttention-3's operand layout)
+// for f16/bf16 queries and caches of head_dim 64 and 128: prefill chunks (decodes go to the
+// decode-step kernel: decode_steps.cuh) over the tiles and (tile, stage) units of
+// tiled_batch.cuh, split between the CTAs on the device by the actual q and kv lengths.
+// - A CTA is two consumer warpgroups and a producer warp. A tile is 128 rows, 64 per consumer
+//   warpgroup; its query rows stay in registers as wgmma's A operand for S = Q K^T (m64n64k16,
+//   one stage's 64 positions), and P, rounded from S's accumulators, is the A operand of
+//   O += P V (m64nDk16). K and V are read by the MMAs from shared memory through descriptors.
+//   The mma.sync kernel (attend_tensor_core.cuh) loaded every B fragment with ldmatrix and
+//   stayed at a third of the tensor cores' rate on prefill (bench/README.md).
+// - Stages stream through a ring of kStages buffers, each a stage's K then its V in the
+//   128-byte swizzle layout wgmma reads (per 64-column block, a position's row of 128 bytes,
+//   its 16-byte chunks permuted by row): K-major for S, MN-major (transposed) for P V. The
+//   producer warp writes them with 16-byte cp.async copies, which can place each chunk where
+//   the swizzle wants it (a bulk copy per row cannot) and write zeros instead of reading
+//   positions past the tile's last one or in a page outside the cache (such positions also get
+//   no weight, and stale cache bytes can hold NaNs that a zero weight would not cancel). A
+//   buffer's `full` mbarrier completes when the producer's copies have landed (cp.async's
+//   mbarrier arrive) and its positions' mask is written, its `empty` one when every consumer
+//   thread's MMAs have read it.
+#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
+#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/common/balanced_split.cuh"
+#include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/sm90.cuh"
+#include "kernels/common/warpgroup_mma.cuh"
+#include "kernels/ragged_paged_attention/tiled_batch.cuh"
+
+namespace xla_ext::ragged_paged_attention::warpgroup {
+
+// Two consumer warpgroups and a producer warpgroup: 12 warps, three per SM sub-partition,
+// which would cap every thread at 168 registers (O, S and Q take 128 at head_dim 128, and
+// ptxas serialised the MMAs at 168). setmaxnreg moves them: a sub-partition's 16384 registers
+// are one producer warp's 40 and two consumer warps' 232.
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
+constexpr int kProducerThreads = 128;
+constexpr int kThreads = kConsumerThreads + kProducerThreads;
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+constexpr int kTileRows = kConsumerWarpgroups * 64;
+constexpr int kStages = 4;
+using tiled::kStageTokens;  // S is m64n64: one stage; P V takes it in 4 k16 steps
+using tiled::Params;
+using tiled::UnitWalk;
+
+// Head sizes it has: whole 128-byte swizzle rows, and O's accumulators within the registers.
+constexpr bool HasHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// Shared memory: per stage a `full` and an `empty` mbarrier and the mask of its positions that
+// have a row, the scheduler's scratch, then (1024-byte aligned, as the swizzle needs) the
+// stages. All of it dynamic: static shared memory would lower the dynamic maximum.
+constexpr int kScheduleScratchInts = cuda::balanced::ScratchInts(kThreads);
+constexpr int kHeaderBytes =
+    (kStages * (2 * sizeof(uint64_t) + sizeof(uint2)) + kScheduleScratchInts * sizeof(int) + 15) /
+    16 * 16;
+constexpr int kSwizzleRowBytes = 128;
+constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;
+
+template <typename T, int kHeadDim>
+struct Layout {
+  static_assert(sizeof(T) == 2 && HasHeadDim(kHeadDim));
+  static constexpr int kBlockColumns = kSwizzleRowBytes / sizeof(T);
+  static constexpr int kBlocks = kHeadDim / kBlockColumns;                // per K or V row
+  static constexpr int kBlockBytes = kStageTokens * kSwizzleRowBytes;     // a stage's block
+  static constexpr int kPartBytes = kBlocks * kBlockBytes;                // a stage's K (or V)
+  static constexpr int kStageBytes = 2 * kPartBytes;
+  static constexpr int kSharedBytes = kHeaderBytes + kSwizzleAtomBytes + kStages * kStageBytes;
+};
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace sm90 = cuda::sm90;
+  namespace wg = cuda::warpgroup;
+  using L = Layout<T, kHeadDim>;
+  constexpr int kSteps = kHeadDim / 16;          // k16 steps of Q K^T
+  constexpr int kOutRegs = kHeadDim / 2;         // O's accumulators per thread
+  constexpr int kScoreRegs = kStageTokens / 2;   // S's
+  constexpr int kChunks = 2 * kHeadDim * sizeof(T) / 16;  // of a position's K and V rows
+  constexpr int kPositionsPerCopy = 32 / kChunks;         // per cp.async of the warp
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // a stage's rows have landed
+  uint64_t* empty = full + kStages;                      // every consumer is done with it
+  uint2* stage_masks = reinterpret_cast<uint2*>(empty + kStages);  // positions with a row
+  int* schedule_scratch = reinterpret_cast<int*>(stage_masks + kStages);
+  const uint32_t smem_address = sm90::SharedAddress(smem);
+  const uint32_t stages_address =
+      (smem_address + kHeaderBytes + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes *
+      kSwizzleAtomBytes;
+
+  const int kv_head = blockIdx.y;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group = p.group_size;
+  if (threadIdx.x == 0) {
+    for (int slot = 0; slot < kStages; ++slot) {
+      // The producer threads' cp.async arrivals and each producer warp's lane 0's, which
+      // publishes its quarter of the mask.
+      sm90::BarrierInit(sm90::SharedAddress(&full[slot]), kProducerThreads + 4);
+      sm90::BarrierInit(sm90::SharedAddress(&empty[slot]), kConsumerThreads);
+    }
+    sm90::FenceBarrierInit();
+  }
+  const int num_seqs = NumSeqs(p);
+  const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
+  // (Its barriers also publish the mbarrier initialisation to the CTA.)
+  const cuda::balanced::Range range = cuda::balanced::LocateRange(
+      num_seqs, tiled::kMinCtaStages,
+      [&](int seq) { return tiled::UnitsOf(p, owned_rows, seq); }, schedule_scratch);
+  if (range.begin >= range.end) return;  // more CTAs than units
+  const int num_iters = range.end - range.begin;
+
+  if (warp >= kConsumerThreads / 32) {
+    // Producer warpgroup; its registers go to the consumers. Producer warp w looks up, lane l <
+    // 16, the cache row of position 16 w + l of a stage (the page ids of the next stage before
+    // waiting for its buffer); then each of its cp.async copies kPositionsPerCopy positions'
+    // K and V rows, lane l taking chunk l % kChunks of position l / kChunks, its cache row
+    // taken from the lane that looked it up.
+    wg::SetMaxRegisters<kProducerRegisters, false>();
+    const int producer_warp = warp - kConsumerThreads / 32;
+    const int quarter = kStageTokens / 4 * producer_warp;  // the warp's first position
+    const T* kv = static_cast<const T*>(p.kv_pages) + int64_t{2} * kv_head * kHeadDim;
+    const int64_t position_stride = int64_t{2} * p.num_kv_heads * kHeadDim;  // elements
+    const int chunk = lane % kChunks;
+    const int part = chunk / (kChunks / 2);  // K or V
+    const int part_chunk = chunk % (kChunks / 2);
+    const uint32_t lane_dst = part * L::kPartBytes + part_chunk / 8 * L::kBlockBytes;
+    const T* lane_src = kv + part * kHeadDim + part_chunk * 8;
+    UnitWalk loads;
+    loads.Start(p, owned_rows, range.first_seq, range.first_seq_begin, range.begin);
+    // The cache row (page * page_size + offset: the host checks it fits in int) of position
+    // quarter + lane, or -1: past the tile's last position or in a page outside the cache.
+    const auto cache_row = [&]() {
+      const int pos = loads.FirstPosition() + quarter + lane % 16;
+      const int32_t* pages = p.page_indices + static_cast<int64_t>(loads.seq) * p.pages_per_seq;
+      const int page = pos < loads.t.first_pos + loads.t.tokens
+                           ? __ldg(pages + (pos >> p.log2_page_size))
+                           : -1;
+      return page >= 0 && page < p.num_pages
+                 ? (page << p.log2_page_size) + (pos & ((1 << p.log2_page_size) - 1))
+                 : -1;
+    };
+    int row = cache_row();
+    for (int iter = 0; iter < num_iters; ++iter) {
+      const int slot = iter % kStages;
+      int next = -1;
+      if (iter + 1 < num_iters) {
+        loads.Next(p);
+        next = cache_row();
+      }
+      if (iter >= kStages) {
+        sm90::WaitParity(sm90::SharedAddress(&empty[slot]), (iter / kStages - 1) & 1);
+      }
+      const uint32_t stage = stages_address + slot * L::kStageBytes + lane_dst;
+#pragma unroll
+      for (int copy = 0; copy < kStageTokens / 4 / kPositionsPerCopy; ++copy) {
+        const int pos = copy * kPositionsPerCopy + lane / kChunks;  // within the quarter
+        const int from = __shfl_sync(0xffffffffu, row, pos);
+        const uint32_t dst = stage + (quarter + pos) * kSwizzleRowBytes +
+                             (((part_chunk % 8) ^ (pos % 8)) << 4);
+        sm90::CopyAsync16(dst, lane_src + max(from, 0) * position_stride, from >= 0 ? 16 : 0);
+      }
+      const uint32_t barrier = sm90::SharedAddress(&full[slot]);
+      sm90::CopyAsyncArrive(barrier);
+      const uint32_t has_row = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
+      if (lane == 0) {
+        reinterpret_cast<uint16_t*>(&stage_masks[slot])[producer_warp] = has_row;
+        sm90::Arrive(barrier);
+      }
+      row = next;
+    }
+    return;
+  }
+  wg::SetMaxRegisters<kConsumerRegisters, true>();
+
+  UnitWalk work;
+  work.Start(p, owned_rows, range.first_seq, range.first_seq_begin, range.begin);
+
+  // Rows of this thread: lo = 64 * warpgroup + 16 * (warp % 4) + lane / 4 and hi = lo + 8; the
+  // A fragments hold columns 2 * (lane % 4) + {0, 1} and + 8 of each k16 step; S's and O's
+  // register 4 j + i holds row (lo, lo, hi, hi)[i], column 8 j + 2 * (lane % 4) + i % 2.
+  const int col = 2 * (lane % 4);
+  const int first_row = 64 * (warp / 4);
+  const int warp_row = first_row + 16 * (warp % 4);
+  int rows[2] = {warp_row + lane / 4, warp_row + lane / 4 + 8};
+  uint32_t qa[kSteps][4];
+  float running_max[2], running_sum[2];
+  float o[kOutRegs];
+  float s[kScoreRegs];
+#pragma unroll
+  for (int i = 0; i < kScoreRegs; ++i) s[i] = 0.0f;
+  // The tile in progress: its rows' tokens (in the batch; -1: a row past its tokens) and
+  // positions, and the positions the warpgroup's and the warp's rows may see (last -1: none).
+  int row_token[2], row_pos[2];
+  int group_first_pos = 0, group_last_pos = -1, warp_first_pos = 0, warp_last_pos = -1;
+  int piece_first_unit = 0;  // where this CTA's piece of it started
+  bool piece_from_start = false;
+
+  const auto start_tile = [&](const UnitWalk& w) {
+    const int first_token = w.s.q_start + w.t.first_token;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int token = rows[r] / group;
+      const bool valid = token < w.t.tokens;
+      row_token[r] = valid ? first_token + token : -1;
+      row_pos[r] = w.t.first_pos + token;
+      const T* q = static_cast<const T*>(p.q) +
+                   (static_cast<int64_t>(valid ? row_token[r] : 0) * p.num_q_heads +
+                    kv_head * group + rows[r] % group) * kHeadDim + col;
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        qa[step][r] = valid ? *reinterpret_cast<const uint32_t*>(q + step * 16) : 0u;
+        qa[step][r + 2] = valid ? *reinterpret_cast<const uint32_t*>(q + step * 16 + 8) : 0u;
+      }
+      running_max[r] = -INFINITY;
+      running_sum[r] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kOutRegs; ++i) o[i] = 0.0f;
+    // The positions of the first and last tokens among `count` rows from `row`.
+    const auto span = [&](int row, int count, int& first_pos, int& last_pos) {
+      first_pos = w.t.first_pos + row / group;
+      last_pos = row / group < w.t.tokens
+                     ? w.t.first_pos + min((row + count - 1) / group, w.t.tokens - 1)
+                     : -1;
+    };
+    span(first_row, 64, group_first_pos, group_last_pos);
+    span(warp_row, 16, warp_first_pos, warp_last_pos);
+    tiled::AnnounceTile(p, w, range);
+  };
+
+  // Writes this CTA's piece of the tile: `out` itself when it is the whole tile, else its
+  // record.
+  const auto finish_tile = [&](bool whole) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 1);
+      running_sum[r] += __shfl_xor_sync(0xffffffffu, running_sum[r], 2);
+      if (row_token[r] < 0) continue;
+      const int head = kv_head * group + rows[r] % group;
+      if (whole) {
+        const float scale = running_sum[r] > 0.0f ? p.v_scale / running_sum[r] : 0.0f;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(
+            static_cast<T*>(p.out) +
+            (static_cast<int64_t>(row_token[r]) * p.num_q_heads + head) * kHeadDim + col);
+#pragma unroll
+        for (int n = 0; n < kHeadDim / 8; ++n) {
+          dst[n * 4] = sm90::Pack<T>(o[4 * n + 2 * r] * scale, o[4 * n + 2 * r + 1] * scale);
+        }
+      } else {
+        const int64_t at = tiled::RecordRow(p, range, piece_first_unit, rows[r]);
+        float2* dst = reinterpret_cast<float2*>(p.partial_out + at * kHeadDim + col);
+#pragma unroll
+        for (int n = 0; n < kHeadDim / 8; ++n) {
+          dst[n * 4] = make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
+        }
+        if (lane % 4 == 0) {
+          p.partial_max[at] = running_max[r];
+          p.partial_sum[at] = running_sum[r];
+        }
+      }
+    }
+  };
+
+  // A score's logit in log2 units: scaled, soft-capped, times log2 e.
+  const float log2_scale = p.score_scale * cuda::kLog2e;
+  const float cap_scale = p.soft_cap > 0.0f ? p.score_scale / p.soft_cap : 0.0f;
+  const float log2_cap = p.soft_cap * cuda::kLog2e;
+  const auto logit2 = [&](float dot) {
+    return p.soft_cap > 0.0f ? log2_cap * tanhf(dot * cap_scale) : dot * log2_scale;
+  };
+
+  for (int iter = 0; iter < num_iters; ++iter) {
+    const int slot = iter % kStages;
+    sm90::WaitParity(sm90::SharedAddress(&full[slot]), (iter / kStages) & 1);
+    const uint2 mask = stage_masks[slot];
+
+    if (work.stage == 0 || iter == 0) {
+      start_tile(work);
+      piece_first_unit = range.begin + iter;
+      piece_from_start = work.stage == 0;
+    }
+    const int first_pos = work.FirstPosition();
+    // The same for the 4 warps of the warpgroup, whose MMAs are collective.
+    const bool visible =
+        first_pos <= group_last_pos &&
+        (p.sliding_window == 0 ||
+         first_pos + kStageTokens - 1 > group_first_pos - p.sliding_window);
+    if (visible) {
+      // cp.async wrote the stage through the generic proxy; wgmma reads it through the async
+      // one.
+      sm90::FenceProxyAsync();
+      const uint32_t k_base = stages_address + slot * L::kStageBytes;
+      const uint32_t v_base = k_base + L::kPartBytes;
+
+      // S (64 rows x 64 positions) = Q K^T, K-major: a k16 step is 32 bytes of a 128-byte row.
+      wg::FenceOperands(s);
+      wg::Fence();
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {
+        const uint64_t k_desc = wg::Swizzle128Descriptor(
+            k_base + step / 4 * L::kBlockBytes + step % 4 * 32, 16, kSwizzleAtomBytes);
+        wg::MmaAsync<T, kStageTokens, 0>(s, qa[step], k_desc, step > 0);
+      }
+      wg::Commit();
+      wg::Wait<0>();
+      wg::FenceOperands(s);
+
+      // Logits in log2 units, masked (causal, window, positions without a page, rows past the
+      // tile) unless every row of the warp sees the whole stage, then the online softmax.
+      const bool unmasked =
+          (mask.x & mask.y) == 0xffffffffu && first_pos + kStageTokens - 1 <= warp_first_pos &&
+          (p.sliding_window == 0 || first_pos > warp_last_pos - p.sliding_window);
+      float tile_max[2] = {-INFINITY, -INFINITY};
+      if (unmasked) {
+#pragma unroll
+        for (int i = 0; i < kScoreRegs; ++i) {
+          s[i] = logit2(s[i]);
+          tile_max[i % 4 / 2] = fmaxf(tile_max[i % 4 / 2], s[i]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kScoreRegs; ++i) {
+          const int r = i % 4 / 2;
+          const int index = i / 4 * 8 + col + i % 2;
+          const int pos = first_pos + index;
+          const bool has_row = ((index < 32 ? mask.x : mask.y) >> (index % 32)) & 1u;
+          const bool seen = row_token[r] >= 0 && has_row && pos <= row_pos[r] &&
+                            (p.sliding_window == 0 || pos > row_pos[r] - p.sliding_window);
+          s[i] = seen ? logit2(s[i]) : -INFINITY;
+          tile_max[r] = fmaxf(tile_max[r], s[i]);
+        }
+      }
+      float scale_old[2], base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(running_max[r], tile_max[r]);
+        base[r] = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet: all weights 0
+        scale_old[r] = cuda::Exp2(running_max[r] - base[r]);
+        running_max[r] = new_max;
+        running_sum[r] *= scale_old[r];
+      }
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) {
+        s[i] = cuda::Exp2(s[i] - base[i % 4 / 2]);
+        running_sum[i % 4 / 2] += s[i];
+      }
+      // Once a prefill row's maximum has settled, most stages leave it alone.
+      if (!__all_sync(0xffffffffu, scale_old[0] == 1.0f && scale_old[1] == 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < kOutRegs; ++i) o[i] *= scale_old[i % 4 / 2];
+      }
+
+      // O += P V, V MN-major: a k16 step is 16 rows of 128 bytes, column blocks kBlockBytes
+      // apart. P's A fragment is S's accumulators, rounded to T.
+      uint32_t pa[kStageTokens / 16][4];
+#pragma unroll
+      for (int step = 0; step < kStageTokens / 16; ++step) {
+        pa[step][0] = sm90::Pack<T>(s[8 * step + 0], s[8 * step + 1]);
+        pa[step][1] = sm90::Pack<T>(s[8 * step + 2], s[8 * step + 3]);
+        pa[step][2] = sm90::Pack<T>(s[8 * step + 4], s[8 * step + 5]);
+        pa[step][3] = sm90::Pack<T>(s[8 * step + 6], s[8 * step + 7]);
+      }
+      wg::FenceOperands(o);
+      wg::Fence();
+#pragma unroll
+      for (int step = 0; step < kStageTokens / 16; ++step) {
+        const uint64_t v_desc = wg::Swizzle128Descriptor(
+            v_base + step * 16 * kSwizzleRowBytes, L::kBlockBytes, kSwizzleAtomBytes);
+        wg::MmaAsync<T, kHeadDim, 1>(o, pa[step], v_desc, 1);
+      }
+      wg::Commit();
+      wg::Wait<0>();
+      wg::FenceOperands(o);
+    }
+
+    // This thread's MMAs are done with the buffer; the producer refills it once every
+    // consumer's are.
+    sm90::Arrive(sm90::SharedAddress(&empty[slot]));
+    const bool tile_done = work.stage == work.t.stages - 1;
+    if (tile_done || iter == num_iters - 1) finish_tile(piece_from_start && tile_done);
+    if (iter + 1 < num_iters) work.Next(p);
+  }
+#else
+  __trap();  // launched only on compute capability 9.x (see the plan)
+#endif
+}
+
+}  // namespace xla_ext::ragged_paged_attention::warpgroup
+
+#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
