@@ -18,6 +18,9 @@
 //   buffer's `full` mbarrier completes when the producer's copies have landed (cp.async's
 //   mbarrier arrive) and its positions' mask is written, its `empty` one when every consumer
 //   thread's MMAs have read it.
+// - A stage's P V runs on the tensor cores while the next stage's softmax runs on the
+//   consumer's other units (FlashAttention-3's intra-warpgroup overlap); the two consumer
+//   warpgroups overlap each other's as well.
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
 
@@ -190,10 +193,10 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   int rows[2] = {warp_row + lane / 4, warp_row + lane / 4 + 8};
   uint32_t qa[kSteps][4];
   float running_max[2], running_sum[2];
+  // O; until the tile's first P V (which overwrites it) empty, reading as zeros: ptxas
+  // serialised the MMAs when other instructions cleared the accumulators.
   float o[kOutRegs];
-  float s[kScoreRegs];
-#pragma unroll
-  for (int i = 0; i < kScoreRegs; ++i) s[i] = 0.0f;
+  bool o_empty = true;
   // The tile in progress: its rows' tokens (in the batch; -1: a row past its tokens) and
   // positions, and the positions the warpgroup's and the warp's rows may see (last -1: none).
   int row_token[2], row_pos[2];
@@ -220,8 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       running_max[r] = -INFINITY;
       running_sum[r] = 0.0f;
     }
-#pragma unroll
-    for (int i = 0; i < kOutRegs; ++i) o[i] = 0.0f;
+    o_empty = true;
     // The positions of the first and last tokens among `count` rows from `row`.
     const auto span = [&](int row, int count, int& first_pos, int& last_pos) {
       first_pos = w.t.first_pos + row / group;
@@ -250,14 +252,17 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
             (static_cast<int64_t>(row_token[r]) * p.num_q_heads + head) * kHeadDim + col);
 #pragma unroll
         for (int n = 0; n < kHeadDim / 8; ++n) {
-          dst[n * 4] = sm90::Pack<T>(o[4 * n + 2 * r] * scale, o[4 * n + 2 * r + 1] * scale);
+          dst[n * 4] = o_empty ? 0u
+                               : sm90::Pack<T>(o[4 * n + 2 * r] * scale,
+                                               o[4 * n + 2 * r + 1] * scale);
         }
       } else {
         const int64_t at = tiled::RecordRow(p, range, piece_first_unit, rows[r]);
         float2* dst = reinterpret_cast<float2*>(p.partial_out + at * kHeadDim + col);
 #pragma unroll
         for (int n = 0; n < kHeadDim / 8; ++n) {
-          dst[n * 4] = make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
+          dst[n * 4] = o_empty ? make_float2(0.0f, 0.0f)
+                               : make_float2(o[4 * n + 2 * r], o[4 * n + 2 * r + 1]);
         }
         if (lane % 4 == 0) {
           p.partial_max[at] = running_max[r];
@@ -267,12 +272,40 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     }
   };
 
-  // A score's logit in log2 units: scaled, soft-capped, times log2 e.
+  // A score's logit in log2 units: scaled (or soft-capped), times log2 e.
   const float log2_scale = p.score_scale * cuda::kLog2e;
   const float cap_scale = p.soft_cap > 0.0f ? p.score_scale / p.soft_cap : 0.0f;
   const float log2_cap = p.soft_cap * cuda::kLog2e;
-  const auto logit2 = [&](float dot) {
-    return p.soft_cap > 0.0f ? log2_cap * tanhf(dot * cap_scale) : dot * log2_scale;
+
+  // O += P V for the stage in `slot`, V MN-major: a k16 step is 16 rows of 128 bytes, column
+  // blocks kBlockBytes apart. Issued only; the caller commits and waits.
+  const auto issue_pv = [&](const uint32_t (&pa)[kStageTokens / 16][4], int slot) {
+    const uint32_t v_base = stages_address + slot * L::kStageBytes + L::kPartBytes;
+#pragma unroll
+    for (int step = 0; step < kStageTokens / 16; ++step) {
+      const uint64_t v_desc = wg::Swizzle128Descriptor(
+          v_base + step * 16 * kSwizzleRowBytes, L::kBlockBytes, kSwizzleAtomBytes);
+      wg::MmaAsync<T, kHeadDim, 1>(o, pa[step], v_desc, step > 0 || !o_empty);
+    }
+    o_empty = false;
+  };
+  const auto release = [&](int slot) { sm90::Arrive(sm90::SharedAddress(&empty[slot])); };
+
+  // A stage's P V is issued with the next stage's S and runs while that S's softmax does (as in
+  // FlashAttention-3): P waits in `pa` meanwhile, its V in `pending_slot`, whose buffer is
+  // released when the MMA is done.
+  uint32_t pa[kStageTokens / 16][4];
+  int pending_slot = -1;
+  const auto flush_pv = [&] {
+    if (pending_slot < 0) return;
+    wg::FenceOperands(o);
+    wg::Fence();
+    issue_pv(pa, pending_slot);
+    wg::Commit();
+    wg::Wait<0>();
+    wg::FenceOperands(o);
+    release(pending_slot);
+    pending_slot = -1;
   };
 
   for (int iter = 0; iter < num_iters; ++iter) {
@@ -296,34 +329,51 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       // one.
       sm90::FenceProxyAsync();
       const uint32_t k_base = stages_address + slot * L::kStageBytes;
-      const uint32_t v_base = k_base + L::kPartBytes;
 
-      // S (64 rows x 64 positions) = Q K^T, K-major: a k16 step is 32 bytes of a 128-byte row.
-      wg::FenceOperands(s);
-      wg::Fence();
+      // S (64 rows x 64 positions) = Q K^T, K-major: a k16 step is 32 bytes of a 128-byte row;
+      // then the previous stage's P V.
+      // S's accumulators (step 0 overwrites them), then the weights made of them: the softmax
+      // writes `w`, as ptxas serialises MMAs whose accumulators other instructions write
+      // before the wait for the last MMA in flight (here P V).
+      float s[kScoreRegs], w[kScoreRegs];
+      const auto issue_s = [&] {
+        wg::FenceOperands(o);
+        wg::Fence();
 #pragma unroll
-      for (int step = 0; step < kSteps; ++step) {
-        const uint64_t k_desc = wg::Swizzle128Descriptor(
-            k_base + step / 4 * L::kBlockBytes + step % 4 * 32, 16, kSwizzleAtomBytes);
-        wg::MmaAsync<T, kStageTokens, 0>(s, qa[step], k_desc, step > 0);
+        for (int step = 0; step < kSteps; ++step) {
+          const uint64_t k_desc = wg::Swizzle128Descriptor(
+              k_base + step / 4 * L::kBlockBytes + step % 4 * 32, 16, kSwizzleAtomBytes);
+          wg::MmaAsync<T, kStageTokens, 0>(s, qa[step], k_desc, step > 0);
+        }
+        wg::Commit();
+      };
+      // (Each branch a whole sequence of issues and a wait: ptxas serialises MMAs issued
+      // under a condition between others.)
+      if (pending_slot >= 0) {
+        issue_s();
+        issue_pv(pa, pending_slot);
+        wg::Commit();
+        wg::Wait<1>();  // S; P V may still run
+      } else {
+        issue_s();
+        wg::Wait<0>();
       }
-      wg::Commit();
-      wg::Wait<0>();
-      wg::FenceOperands(s);
 
       // Logits in log2 units, masked (causal, window, positions without a page, rows past the
-      // tile) unless every row of the warp sees the whole stage, then the online softmax.
+      // tile) unless every row of the warp sees the whole stage, then the online softmax. Each
+      // choice is made once per stage, not per score: the per-score branches of the soft cap
+      // made the loop large enough to stall on instruction fetch (h100-ncu-ragged-warpgroup).
+      if (p.soft_cap > 0.0f) {
+#pragma unroll
+        for (int i = 0; i < kScoreRegs; ++i) w[i] = log2_cap * tanhf(s[i] * cap_scale);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kScoreRegs; ++i) w[i] = s[i] * log2_scale;
+      }
       const bool unmasked =
           (mask.x & mask.y) == 0xffffffffu && first_pos + kStageTokens - 1 <= warp_first_pos &&
           (p.sliding_window == 0 || first_pos > warp_last_pos - p.sliding_window);
-      float tile_max[2] = {-INFINITY, -INFINITY};
-      if (unmasked) {
-#pragma unroll
-        for (int i = 0; i < kScoreRegs; ++i) {
-          s[i] = logit2(s[i]);
-          tile_max[i % 4 / 2] = fmaxf(tile_max[i % 4 / 2], s[i]);
-        }
-      } else {
+      if (!unmasked) {
 #pragma unroll
         for (int i = 0; i < kScoreRegs; ++i) {
           const int r = i % 4 / 2;
@@ -332,60 +382,71 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
           const bool has_row = ((index < 32 ? mask.x : mask.y) >> (index % 32)) & 1u;
           const bool seen = row_token[r] >= 0 && has_row && pos <= row_pos[r] &&
                             (p.sliding_window == 0 || pos > row_pos[r] - p.sliding_window);
-          s[i] = seen ? logit2(s[i]) : -INFINITY;
-          tile_max[r] = fmaxf(tile_max[r], s[i]);
+          if (!seen) w[i] = -INFINITY;
         }
+      }
+      // Row maxima and sums in four partial chains each: short dependency chains.
+      float tile_max[2][4];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float& m = tile_max[i % 4 / 2][i / 4 * 2 % 4 + i % 2];
+        m = i < 8 ? w[i] : fmaxf(m, w[i]);
+      }
+#pragma unroll
+      for (int i = 16; i < kScoreRegs; ++i) {
+        float& m = tile_max[i % 4 / 2][i / 4 * 2 % 4 + i % 2];
+        m = fmaxf(m, w[i]);
       }
       float scale_old[2], base[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-        const float new_max = fmaxf(running_max[r], tile_max[r]);
+        float row_max = fmaxf(fmaxf(tile_max[r][0], tile_max[r][1]),
+                              fmaxf(tile_max[r][2], tile_max[r][3]));
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+        const float new_max = fmaxf(running_max[r], row_max);
         base[r] = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet: all weights 0
         scale_old[r] = cuda::Exp2(running_max[r] - base[r]);
         running_max[r] = new_max;
-        running_sum[r] *= scale_old[r];
       }
+      float tile_sum[2][4];
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
-        s[i] = cuda::Exp2(s[i] - base[i % 4 / 2]);
-        running_sum[i % 4 / 2] += s[i];
+        w[i] = cuda::Exp2(w[i] - base[i % 4 / 2]);
+        float& sum = tile_sum[i % 4 / 2][i / 4 * 2 % 4 + i % 2];
+        sum = i < 8 ? w[i] : sum + w[i];
       }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        running_sum[r] = running_sum[r] * scale_old[r] +
+                         ((tile_sum[r][0] + tile_sum[r][1]) + (tile_sum[r][2] + tile_sum[r][3]));
+      }
+      wg::Wait<0>();  // the previous stage's P V (unconditional: ptxas tracks it so)
+      wg::FenceOperands(o);
+      if (pending_slot >= 0) release(pending_slot);
       // Once a prefill row's maximum has settled, most stages leave it alone.
-      if (!__all_sync(0xffffffffu, scale_old[0] == 1.0f && scale_old[1] == 1.0f)) {
+      if (!o_empty && !__all_sync(0xffffffffu, scale_old[0] == 1.0f && scale_old[1] == 1.0f)) {
 #pragma unroll
         for (int i = 0; i < kOutRegs; ++i) o[i] *= scale_old[i % 4 / 2];
       }
-
-      // O += P V, V MN-major: a k16 step is 16 rows of 128 bytes, column blocks kBlockBytes
-      // apart. P's A fragment is S's accumulators, rounded to T.
-      uint32_t pa[kStageTokens / 16][4];
+      // P's A fragment is the weights, rounded to T.
 #pragma unroll
       for (int step = 0; step < kStageTokens / 16; ++step) {
-        pa[step][0] = sm90::Pack<T>(s[8 * step + 0], s[8 * step + 1]);
-        pa[step][1] = sm90::Pack<T>(s[8 * step + 2], s[8 * step + 3]);
-        pa[step][2] = sm90::Pack<T>(s[8 * step + 4], s[8 * step + 5]);
-        pa[step][3] = sm90::Pack<T>(s[8 * step + 6], s[8 * step + 7]);
+        pa[step][0] = sm90::Pack<T>(w[8 * step + 0], w[8 * step + 1]);
+        pa[step][1] = sm90::Pack<T>(w[8 * step + 2], w[8 * step + 3]);
+        pa[step][2] = sm90::Pack<T>(w[8 * step + 4], w[8 * step + 5]);
+        pa[step][3] = sm90::Pack<T>(w[8 * step + 6], w[8 * step + 7]);
       }
-      wg::FenceOperands(o);
-      wg::Fence();
-#pragma unroll
-      for (int step = 0; step < kStageTokens / 16; ++step) {
-        const uint64_t v_desc = wg::Swizzle128Descriptor(
-            v_base + step * 16 * kSwizzleRowBytes, L::kBlockBytes, kSwizzleAtomBytes);
-        wg::MmaAsync<T, kHeadDim, 1>(o, pa[step], v_desc, 1);
-      }
-      wg::Commit();
-      wg::Wait<0>();
-      wg::FenceOperands(o);
+      pending_slot = slot;
+    } else {
+      release(slot);  // nothing of it read
     }
 
-    // This thread's MMAs are done with the buffer; the producer refills it once every
-    // consumer's are.
-    sm90::Arrive(sm90::SharedAddress(&empty[slot]));
     const bool tile_done = work.stage == work.t.stages - 1;
-    if (tile_done || iter == num_iters - 1) finish_tile(piece_from_start && tile_done);
+    if (tile_done || iter == num_iters - 1) {
+      flush_pv();
+      finish_tile(piece_from_start && tile_done);
+    }
     if (iter + 1 < num_iters) work.Next(p);
   }
 #else
