@@ -114,6 +114,11 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Counts this warp's threads towards named barrier `id` without waiting for it.
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 #endif  // __CUDA_ARCH__ >= 900
 
 // Programmatic dependent launch (cuda::LaunchProgrammatic): a kernel so launched waits here for

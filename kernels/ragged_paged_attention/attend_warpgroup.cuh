@@ -47,6 +47,7 @@ constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
 constexpr int kTileRows = kConsumerWarpgroups * 64;
 constexpr int kStages = 4;
+constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: warpgroup 0's and 1's turn to issue
 using tiled::kStageTokens;  // S is m64n64: one stage; P V takes it in 4 k16 steps
 using tiled::Params;
 using tiled::UnitWalk;
@@ -183,12 +184,16 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 
   UnitWalk work;
   work.Start(p, owned_rows, range.first_seq, range.first_seq_begin, range.begin);
+  const int warpgroup_index = warp / 4;
+  if (warpgroup_index == 1) {  // the first turn is warpgroup 0's
+    sm90::NamedBarrierArrive(kTurnBarrier, kConsumerThreads);
+  }
 
   // Rows of this thread: lo = 64 * warpgroup + 16 * (warp % 4) + lane / 4 and hi = lo + 8; the
   // A fragments hold columns 2 * (lane % 4) + {0, 1} and + 8 of each k16 step; S's and O's
   // register 4 j + i holds row (lo, lo, hi, hi)[i], column 8 j + 2 * (lane % 4) + i % 2.
   const int col = 2 * (lane % 4);
-  const int first_row = 64 * (warp / 4);
+  const int first_row = 64 * warpgroup_index;
   const int warp_row = first_row + 16 * (warp % 4);
   int rows[2] = {warp_row + lane / 4, warp_row + lane / 4 + 8};
   uint32_t qa[kSteps][4];
@@ -324,6 +329,9 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
         first_pos <= group_last_pos &&
         (p.sliding_window == 0 ||
          first_pos + kStageTokens - 1 > group_first_pos - p.sliding_window);
+    // The consumer warpgroups take turns to issue their MMAs (FlashAttention-3's ping-pong), so
+    // that one's softmax runs while the other's MMAs do; every stage, visible or not.
+    sm90::NamedBarrierSync(kTurnBarrier + warpgroup_index, kConsumerThreads);
     if (visible) {
       // cp.async wrote the stage through the generic proxy; wgmma reads it through the async
       // one.
@@ -353,9 +361,11 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
         issue_s();
         issue_pv(pa, pending_slot);
         wg::Commit();
+        sm90::NamedBarrierArrive(kTurnBarrier + 1 - warpgroup_index, kConsumerThreads);
         wg::Wait<1>();  // S; P V may still run
       } else {
         issue_s();
+        sm90::NamedBarrierArrive(kTurnBarrier + 1 - warpgroup_index, kConsumerThreads);
         wg::Wait<0>();
       }
 
@@ -439,6 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       }
       pending_slot = slot;
     } else {
+      sm90::NamedBarrierArrive(kTurnBarrier + 1 - warpgroup_index, kConsumerThreads);
       release(slot);  // nothing of it read
     }
 
