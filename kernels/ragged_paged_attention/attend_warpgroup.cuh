@@ -2,16 +2,16 @@
 // for f16/bf16 queries and caches of head_dim 64 and 128: prefill chunks (decodes go to the
 // decode-step kernel: decode_steps.cuh) over the tiles and (tile, stage) units of
 // tiled_batch.cuh, split between the CTAs on the device by the actual q and kv lengths.
-// - A CTA is two consumer warpgroups and a producer warp. A tile is 128 rows, 64 per consumer
+// - A CTA is two consumer warpgroups and a producer warpgroup. A tile is 128 rows, 64 per consumer
 //   warpgroup; its query rows stay in registers as wgmma's A operand for S = Q K^T (m64n64k16,
 //   one stage's 64 positions), and P, rounded from S's accumulators, is the A operand of
 //   O += P V (m64nDk16). K and V are read by the MMAs from shared memory through descriptors.
 //   The mma.sync kernel (attend_tensor_core.cuh) loaded every B fragment with ldmatrix and
-//   stayed at a third of the tensor cores' rate on prefill (bench/README.md).
+//   stayed under a fifth of the measured matmul rate on prefill (bench/README.md).
 // - Stages stream through a ring of kStages buffers, each a stage's K then its V in the
 //   128-byte swizzle layout wgmma reads (per 64-column block, a position's row of 128 bytes,
 //   its 16-byte chunks permuted by row): K-major for S, MN-major (transposed) for P V. The
-//   producer warp writes them with 16-byte cp.async copies, which can place each chunk where
+//   producer warps write them with 16-byte cp.async copies, which can place each chunk where
 //   the swizzle wants it (a bulk copy per row cannot) and write zeros instead of reading
 //   positions past the tile's last one or in a page outside the cache (such positions also get
 //   no weight, and stale cache bytes can hold NaNs that a zero weight would not cancel). A
@@ -19,8 +19,8 @@
 //   mbarrier arrive) and its positions' mask is written, its `empty` one when every consumer
 //   thread's MMAs have read it.
 // - A stage's P V runs on the tensor cores while the next stage's softmax runs on the
-//   consumer's other units (FlashAttention-3's intra-warpgroup overlap); the two consumer
-//   warpgroups overlap each other's as well.
+//   consumer's other units (FlashAttention-3's intra-warpgroup overlap), and the two consumer
+//   warpgroups take turns to issue their MMAs (its ping-pong).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
 
