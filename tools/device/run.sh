@@ -36,8 +36,10 @@
 #             heads split over 2 GPUs against 1 GPU, step times and the collective share
 #             -> <gpu>-tp2.json
 #   tp1:      the single-device half of it (any one GPU) -> <gpu>-tp1.json
-#   ncu_ragged: Nsight Compute on the ragged attention kernels (tensor-core kernel and its
-#             combine) of two bench/ragged_bench.py mixes, a decode and a prefill
+#   ncu_ragged: Nsight Compute on the ragged attention kernels (the tiled kernel the handler
+#             picks, wgmma at head_dim 128, and its combine; on the decode mix the decode steps
+#             run on the decode kernel, which the regex leaves out) of two bench/ragged_bench.py
+#             mixes, a decode and a prefill
 #             (bench/profile_ragged_attention.py --mix) -> <gpu>-ncu-ragged.txt; with NCU_SASS=1
 #             also each mix's first kernel per SASS instruction (executed, stall samples)
 #             -> <gpu>-ncu-ragged-sass-N.csv (as for ncu_mixes)
