@@ -1,7 +1,7 @@
 // Thin wrappers over Hopper's warpgroup MMA (wgmma.mma_async): shared-memory matrix
 // descriptors, the fences and waits around the asynchronous MMAs, the register moves between
-// warpgroups (setmaxnreg), and m64nNk16 with A from registers (f32 accumulators, f16/bf16
-// inputs). Each wraps one instruction. wgmma exists only in sm_90a code (not in compute_90 PTX,
+// warpgroups (setmaxnreg), and m64nNk16 with A from registers or shared memory (f32
+// accumulators, f16/bf16 inputs). Each wraps one instruction. wgmma exists only in sm_90a code (not in compute_90 PTX,
 // nor on later GPUs): callers guard their use with `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` and
 // launch it only on compute capability 9.x.
 //
@@ -70,55 +70,54 @@ __device__ __forceinline__ void SetMaxRegisters() {
   }
 }
 
+// The accumulator operands of an m64nNk16 (N / 2 per thread): their place-holders in the
+// instruction and their constraints.
+#define XLA_EXT_WGMMA_D32                                                                          \
+  " %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                         \
+  " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define XLA_EXT_WGMMA_D64                                                                          \
+  XLA_EXT_WGMMA_D32 ","                                                                            \
+  " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"               \
+  " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define XLA_EXT_WGMMA_D32_OPERANDS                                                                 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),                                                  \
+  "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                                                  \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                                                \
+  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),                                              \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),                                              \
+  "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                                              \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),                                              \
+  "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define XLA_EXT_WGMMA_D64_OPERANDS                                                                 \
+  XLA_EXT_WGMMA_D32_OPERANDS,                                                                      \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),                                              \
+  "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),                                              \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),                                              \
+  "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),                                              \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),                                              \
+  "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),                                              \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),                                              \
+  "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+#define XLA_EXT_WGMMA_RS(SHAPE, TYPE, D, D_OPERANDS, A0, A1, A2, A3, B, ACCUMULATE, TRANSPOSE_B)   \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " ACCUMULATE ", 0;\n"                           \
+               " wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" D "},"            \
+               " {" A0 ", " A1 ", " A2 ", " A3 "}, " B ", p, 1, 1, " TRANSPOSE_B ";\n}"            \
+               : D_OPERANDS                                                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),              \
+                 "n"(kTransposeB)                                                                  \
+               : "memory")
+
+#define XLA_EXT_WGMMA_SS(SHAPE, TYPE, D, D_OPERANDS, A, B, ACCUMULATE)                             \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " ACCUMULATE ", 0;\n"                           \
+               " wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" D "},"            \
+               " " A ", " B ", p, 1, 1, 0, 0;\n}"                                                  \
+               : D_OPERANDS                                                                        \
+               : "l"(a), "l"(b), "r"(accumulate)                                                   \
+               : "memory")
+
 // d (64 x N, f32) = a (64 x 16, registers) * b (16 x N, descriptor) + (accumulate ? d : 0),
-// issued asynchronously: b K-major (kTransposeB 0) or MN-major (1). One instruction per N, its
-// operand list written once for both 16-bit types (the macros, local to this function).
-#define XLA_EXT_WGMMA_M64N64K16(TYPE)                                                              \
-  asm volatile(                                                                                    \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                               \
-      " wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                            \
-      " %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                     \
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"          \
-      " {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}"                                               \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),                                            \
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                                            \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                                          \
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),                                        \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),                                        \
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                                        \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),                                        \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                         \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransposeB)      \
-      : "memory")
-
-#define XLA_EXT_WGMMA_M64N128K16(TYPE)                                                             \
-  asm volatile(                                                                                    \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                               \
-      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                           \
-      " %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                     \
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"           \
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"           \
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"          \
-      " {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}"                                               \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),                                            \
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                                            \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                                          \
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),                                        \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),                                        \
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                                        \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),                                        \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),                                        \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),                                        \
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),                                        \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),                                        \
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),                                        \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),                                        \
-        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),                                        \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),                                        \
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                         \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransposeB)      \
-      : "memory")
-
+// issued asynchronously: b K-major (kTransposeB 0) or MN-major (1).
 template <typename T, int N, int kTransposeB>
 __device__ __forceinline__ void MmaAsync(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
                                          int accumulate) {
@@ -127,21 +126,43 @@ __device__ __forceinline__ void MmaAsync(float (&d)[N / 2], const uint32_t (&a)[
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (N == 64) {
     if constexpr (kBf16) {
-      XLA_EXT_WGMMA_M64N64K16("bf16");
+      XLA_EXT_WGMMA_RS("m64n64k16", "bf16", XLA_EXT_WGMMA_D32, XLA_EXT_WGMMA_D32_OPERANDS, "%32",
+                       "%33", "%34", "%35", "%36", "%37", "%38");
     } else {
-      XLA_EXT_WGMMA_M64N64K16("f16");
+      XLA_EXT_WGMMA_RS("m64n64k16", "f16", XLA_EXT_WGMMA_D32, XLA_EXT_WGMMA_D32_OPERANDS, "%32",
+                       "%33", "%34", "%35", "%36", "%37", "%38");
     }
   } else {
     if constexpr (kBf16) {
-      XLA_EXT_WGMMA_M64N128K16("bf16");
+      XLA_EXT_WGMMA_RS("m64n128k16", "bf16", XLA_EXT_WGMMA_D64, XLA_EXT_WGMMA_D64_OPERANDS,
+                       "%64", "%65", "%66", "%67", "%68", "%69", "%70");
     } else {
-      XLA_EXT_WGMMA_M64N128K16("f16");
+      XLA_EXT_WGMMA_RS("m64n128k16", "f16", XLA_EXT_WGMMA_D64, XLA_EXT_WGMMA_D64_OPERANDS,
+                       "%64", "%65", "%66", "%67", "%68", "%69", "%70");
     }
   }
 }
 
-#undef XLA_EXT_WGMMA_M64N64K16
-#undef XLA_EXT_WGMMA_M64N128K16
+// d (64 x 128, f32) = a (64 x 16, descriptor, K-major) * b (16 x 128, descriptor, K-major) +
+// (accumulate ? d : 0), issued asynchronously.
+template <typename T>
+__device__ __forceinline__ void MmaAsync(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    XLA_EXT_WGMMA_SS("m64n128k16", "bf16", XLA_EXT_WGMMA_D64, XLA_EXT_WGMMA_D64_OPERANDS, "%64",
+                     "%65", "%66");
+  } else {
+    XLA_EXT_WGMMA_SS("m64n128k16", "f16", XLA_EXT_WGMMA_D64, XLA_EXT_WGMMA_D64_OPERANDS, "%64",
+                     "%65", "%66");
+  }
+}
+
+#undef XLA_EXT_WGMMA_D32
+#undef XLA_EXT_WGMMA_D64
+#undef XLA_EXT_WGMMA_D32_OPERANDS
+#undef XLA_EXT_WGMMA_D64_OPERANDS
+#undef XLA_EXT_WGMMA_RS
+#undef XLA_EXT_WGMMA_SS
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 

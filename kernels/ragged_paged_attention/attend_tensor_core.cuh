@@ -34,9 +34,9 @@ constexpr int kThreads = (kWarps + 1) * 32;
 constexpr int kTileRows = kWarps * 16;
 constexpr int kStages = 4;
 constexpr int kRowPadding = 16;  // bytes: ldmatrix's 8 rows fall in distinct banks
-using tiled::kStageTokens;       // 8 n8 tiles of S, 4 k16 steps of P V
+constexpr int kStageTokens = tiled::kMinStageTokens;  // 8 n8 tiles of S, 4 k16 steps of P V
 using tiled::Params;
-using tiled::UnitWalk;
+using UnitWalk = tiled::UnitWalk<kStageTokens>;
 
 // Shared memory: per stage a `full` and an `empty` mbarrier and the mask of its positions
 // that have a row, the scheduler's scratch, then the stages (per position its K row then its V
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
   // (Its barriers also publish the mbarrier initialisation to the CTA.)
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      num_seqs, tiled::kMinCtaStages, [&](int seq) { return tiled::UnitsOf(p, owned_rows, seq); },
+      num_seqs, tiled::kMinCtaStages, [&](int seq) { return tiled::UnitsOf<kStageTokens>(p, owned_rows, seq); },
       schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;

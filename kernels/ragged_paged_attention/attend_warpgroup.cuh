@@ -3,9 +3,11 @@
 // decode-step kernel: decode_steps.cuh) over the tiles and (tile, stage) units of
 // tiled_batch.cuh, split between the CTAs on the device by the actual q and kv lengths.
 // - A CTA is two consumer warpgroups and a producer warpgroup. A tile is 128 rows, 64 per consumer
-//   warpgroup; its query rows stay in registers as wgmma's A operand for S = Q K^T (m64n64k16,
-//   one stage's 64 positions), and P, rounded from S's accumulators, is the A operand of
-//   O += P V (m64nDk16). K and V are read by the MMAs from shared memory through descriptors.
+//   warpgroup; its query rows wait in shared memory as wgmma's A operand for S = Q K^T
+//   (m64n128k16, one stage's 128 positions), and P, rounded from S's accumulators in
+//   registers, is the A operand of O += P V (m64nDk16). K and V are read by the MMAs from shared
+//   memory through descriptors. (With 64-position stages and Q in registers, the per-stage
+//   costs of the softmax and the barriers held prefill 4 x 2048 at 517 us: bench/README.md.)
 //   The mma.sync kernel (attend_tensor_core.cuh) loaded every B fragment with ldmatrix and
 //   stayed under a fifth of the measured matmul rate on prefill (bench/README.md).
 // - Stages stream through a ring of kStages buffers, each a stage's K then its V in the
@@ -46,22 +48,22 @@ constexpr int kThreads = kConsumerThreads + kProducerThreads;
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
 constexpr int kTileRows = kConsumerWarpgroups * 64;
-constexpr int kStages = 4;
-constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: warpgroup 0's and 1's turn to issue
-using tiled::kStageTokens;  // S is m64n64: one stage; P V takes it in 4 k16 steps
+constexpr int kMaxStages = 4;
+constexpr int kTurnBarrier = 1;   // named barriers 1 and 2: warpgroup 0's and 1's turn to issue
+constexpr int kQueryBarrier = 3;  // 3 and 4: warpgroup 0's and 1's query rows are in place
+constexpr int kStageTokens = 128;  // S is m64n128: one stage; P V takes it in 8 k16 steps
 using tiled::Params;
-using tiled::UnitWalk;
+using UnitWalk = tiled::UnitWalk<kStageTokens>;
 
 // Head sizes it has: whole 128-byte swizzle rows, and O's accumulators within the registers.
 constexpr bool HasHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // Shared memory: per stage a `full` and an `empty` mbarrier and the mask of its positions that
-// have a row, the scheduler's scratch, then (1024-byte aligned, as the swizzle needs) the
-// stages. All of it dynamic: static shared memory would lower the dynamic maximum.
+// have a row, the scheduler's scratch, then (1024-byte aligned, as the swizzle needs) each
+// consumer warpgroup's query rows and the stages, as many as fit (up to kMaxStages). All of it
+// dynamic: static shared memory would lower the dynamic maximum.
+constexpr int kMaxSharedBytes = 227 * 1024;  // a CTA's on compute capability 9.0
 constexpr int kScheduleScratchInts = cuda::balanced::ScratchInts(kThreads);
-constexpr int kHeaderBytes =
-    (kStages * (2 * sizeof(uint64_t) + sizeof(uint2)) + kScheduleScratchInts * sizeof(int) + 15) /
-    16 * 16;
 constexpr int kSwizzleRowBytes = 128;
 constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;
 
@@ -69,11 +71,25 @@ template <typename T, int kHeadDim>
 struct Layout {
   static_assert(sizeof(T) == 2 && HasHeadDim(kHeadDim));
   static constexpr int kBlockColumns = kSwizzleRowBytes / sizeof(T);
-  static constexpr int kBlocks = kHeadDim / kBlockColumns;                // per K or V row
+  static constexpr int kBlocks = kHeadDim / kBlockColumns;                // per row
+  static constexpr int kQueryBlockBytes = 64 * kSwizzleRowBytes;          // a warpgroup's block
+  static constexpr int kQueryBytes = kConsumerWarpgroups * kBlocks * kQueryBlockBytes;
   static constexpr int kBlockBytes = kStageTokens * kSwizzleRowBytes;     // a stage's block
   static constexpr int kPartBytes = kBlocks * kBlockBytes;                // a stage's K (or V)
   static constexpr int kStageBytes = 2 * kPartBytes;
-  static constexpr int kSharedBytes = kHeaderBytes + kSwizzleAtomBytes + kStages * kStageBytes;
+  static constexpr int HeaderBytes(int stages) {
+    return (stages * (2 * sizeof(uint64_t) + sizeof(uint4)) +
+            kScheduleScratchInts * sizeof(int) + 15) / 16 * 16;
+  }
+  static constexpr int SharedBytes(int stages) {
+    return HeaderBytes(stages) + kSwizzleAtomBytes + kQueryBytes + stages * kStageBytes;
+  }
+  static constexpr int kStages = SharedBytes(kMaxStages) <= kMaxSharedBytes ? kMaxStages
+                                 : SharedBytes(3) <= kMaxSharedBytes        ? 3
+                                                                            : 2;
+  static constexpr int kHeaderBytes = HeaderBytes(kStages);
+  static constexpr int kSharedBytes = SharedBytes(kStages);
+  static_assert(kSharedBytes <= kMaxSharedBytes);
 };
 
 template <typename T, int kHeadDim>
@@ -82,6 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   namespace sm90 = cuda::sm90;
   namespace wg = cuda::warpgroup;
   using L = Layout<T, kHeadDim>;
+  constexpr int kStages = L::kStages;
   constexpr int kSteps = kHeadDim / 16;          // k16 steps of Q K^T
   constexpr int kOutRegs = kHeadDim / 2;         // O's accumulators per thread
   constexpr int kScoreRegs = kStageTokens / 2;   // S's
@@ -90,12 +107,13 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // a stage's rows have landed
   uint64_t* empty = full + kStages;                      // every consumer is done with it
-  uint2* stage_masks = reinterpret_cast<uint2*>(empty + kStages);  // positions with a row
+  uint4* stage_masks = reinterpret_cast<uint4*>(empty + kStages);  // positions with a row
   int* schedule_scratch = reinterpret_cast<int*>(stage_masks + kStages);
   const uint32_t smem_address = sm90::SharedAddress(smem);
-  const uint32_t stages_address =
-      (smem_address + kHeaderBytes + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes *
+  const uint32_t query_address =
+      (smem_address + L::kHeaderBytes + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes *
       kSwizzleAtomBytes;
+  const uint32_t stages_address = query_address + L::kQueryBytes;
 
   const int kv_head = blockIdx.y;
   const int warp = threadIdx.x / 32;
@@ -115,13 +133,13 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   // (Its barriers also publish the mbarrier initialisation to the CTA.)
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
       num_seqs, tiled::kMinCtaStages,
-      [&](int seq) { return tiled::UnitsOf(p, owned_rows, seq); }, schedule_scratch);
+      [&](int seq) { return tiled::UnitsOf<kStageTokens>(p, owned_rows, seq); }, schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;
 
   if (warp >= kConsumerThreads / 32) {
-    // Producer warpgroup; its registers go to the consumers. Producer warp w looks up, lane l <
-    // 16, the cache row of position 16 w + l of a stage (the page ids of the next stage before
+    // Producer warpgroup; its registers go to the consumers. Producer warp w looks up, lane l,
+    // the cache row of position 32 w + l of a stage (the page ids of the next stage before
     // waiting for its buffer); then each of its cp.async copies kPositionsPerCopy positions'
     // K and V rows, lane l taking chunk l % kChunks of position l / kChunks, its cache row
     // taken from the lane that looked it up.
@@ -134,13 +152,13 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     const int part = chunk / (kChunks / 2);  // K or V
     const int part_chunk = chunk % (kChunks / 2);
     const uint32_t lane_dst = part * L::kPartBytes + part_chunk / 8 * L::kBlockBytes;
-    const T* lane_src = kv + part * kHeadDim + part_chunk * 8;
+    const int lane_src = part * kHeadDim + part_chunk * 8;  // of the position's K row
     UnitWalk loads;
     loads.Start(p, owned_rows, range.first_seq, range.first_seq_begin, range.begin);
     // The cache row (page * page_size + offset: the host checks it fits in int) of position
     // quarter + lane, or -1: past the tile's last position or in a page outside the cache.
     const auto cache_row = [&]() {
-      const int pos = loads.FirstPosition() + quarter + lane % 16;
+      const int pos = loads.FirstPosition() + quarter + lane;
       const int32_t* pages = p.page_indices + static_cast<int64_t>(loads.seq) * p.pages_per_seq;
       const int page = pos < loads.t.first_pos + loads.t.tokens
                            ? __ldg(pages + (pos >> p.log2_page_size))
@@ -152,6 +170,12 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     int row = cache_row();
     for (int iter = 0; iter < num_iters; ++iter) {
       const int slot = iter % kStages;
+      // The looked-up position's K row (the cache's first when it has none: an address that
+      // is not read), which each copy takes from the lane that looked it up, with its bit of
+      // has_row.
+      const uint64_t row_src = reinterpret_cast<uint64_t>(
+          kv + static_cast<int64_t>(max(row, 0)) * position_stride);
+      const uint32_t has_row = __ballot_sync(0xffffffffu, row >= 0);
       int next = -1;
       if (iter + 1 < num_iters) {
         loads.Next(p);
@@ -164,16 +188,15 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 #pragma unroll
       for (int copy = 0; copy < kStageTokens / 4 / kPositionsPerCopy; ++copy) {
         const int pos = copy * kPositionsPerCopy + lane / kChunks;  // within the quarter
-        const int from = __shfl_sync(0xffffffffu, row, pos);
+        const T* src = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, row_src, pos));
         const uint32_t dst = stage + (quarter + pos) * kSwizzleRowBytes +
                              (((part_chunk % 8) ^ (pos % 8)) << 4);
-        sm90::CopyAsync16(dst, lane_src + max(from, 0) * position_stride, from >= 0 ? 16 : 0);
+        sm90::CopyAsync16(dst, src + lane_src, (has_row >> pos) & 1u ? 16 : 0);
       }
       const uint32_t barrier = sm90::SharedAddress(&full[slot]);
       sm90::CopyAsyncArrive(barrier);
-      const uint32_t has_row = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;
       if (lane == 0) {
-        reinterpret_cast<uint16_t*>(&stage_masks[slot])[producer_warp] = has_row;
+        reinterpret_cast<uint32_t*>(&stage_masks[slot])[producer_warp] = has_row;
         sm90::Arrive(barrier);
       }
       row = next;
@@ -189,14 +212,17 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     sm90::NamedBarrierArrive(kTurnBarrier, kConsumerThreads);
   }
 
-  // Rows of this thread: lo = 64 * warpgroup + 16 * (warp % 4) + lane / 4 and hi = lo + 8; the
-  // A fragments hold columns 2 * (lane % 4) + {0, 1} and + 8 of each k16 step; S's and O's
-  // register 4 j + i holds row (lo, lo, hi, hi)[i], column 8 j + 2 * (lane % 4) + i % 2.
+  // Rows of this thread: lo = 64 * warpgroup + 16 * (warp % 4) + lane / 4 and hi = lo + 8; S's
+  // and O's register 4 j + i holds row (lo, lo, hi, hi)[i], column 8 j + 2 * (lane % 4) + i % 2,
+  // and P's A fragments columns 2 * (lane % 4) + {0, 1} and + 8 of each k16 step.
   const int col = 2 * (lane % 4);
   const int first_row = 64 * warpgroup_index;
   const int warp_row = first_row + 16 * (warp % 4);
   int rows[2] = {warp_row + lane / 4, warp_row + lane / 4 + 8};
-  uint32_t qa[kSteps][4];
+  // The warpgroup's query rows, K-major in the swizzle layout (a block per 64 columns).
+  const uint32_t query_rows = query_address + warpgroup_index * L::kBlocks * L::kQueryBlockBytes;
+  unsigned char* query_smem = smem + (query_rows - smem_address);
+  const uint64_t q_desc = wg::Swizzle128Descriptor(query_rows, 16, kSwizzleAtomBytes);
   float running_max[2], running_sum[2];
   // O; until the tile's first P V (which overwrites it) empty, reading as zeros: ptxas
   // serialised the MMAs when other instructions cleared the accumulators.
@@ -209,22 +235,53 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   int piece_first_unit = 0;  // where this CTA's piece of it started
   bool piece_from_start = false;
 
+  // The query rows this thread copies to shared memory at each tile's start: 16-byte chunk
+  // `q_chunk` of rows q_row + kRowsPerPass * pass of the warpgroup's, the first one's token
+  // within the tile and query head within the group (the tile's layout is the same for every
+  // tile: each pass steps them on, no division).
+  constexpr int kRowChunks = kHeadDim / 8;
+  constexpr int kRowsPerPass = 128 / kRowChunks;
+  const int q_chunk = threadIdx.x % kRowChunks;
+  const int q_row = threadIdx.x % 128 / kRowChunks;
+  const int q_token = (first_row + q_row) / group;
+  const int q_head = (first_row + q_row) % group;
+  const int q_step_tokens = kRowsPerPass / group, q_step_heads = kRowsPerPass % group;
+
   const auto start_tile = [&](const UnitWalk& w) {
     const int first_token = w.s.q_start + w.t.first_token;
+    // The warpgroup's query rows to shared memory (zeros for rows past the tile), once its MMAs
+    // of the previous tile are done reading them.
+    sm90::NamedBarrierSync(kQueryBarrier + warpgroup_index, 128);
+    int token = q_token, head = q_head;
+#pragma unroll
+    for (int pass = 0; pass < 64 / kRowsPerPass; ++pass) {
+      const int row = pass * kRowsPerPass + q_row;  // of the warpgroup's
+      uint4 value = make_uint4(0u, 0u, 0u, 0u);
+      if (token < w.t.tokens) {
+        value = *reinterpret_cast<const uint4*>(
+            static_cast<const T*>(p.q) +
+            (static_cast<int64_t>(first_token + token) * p.num_q_heads + kv_head * group + head) *
+                kHeadDim +
+            q_chunk * 8);
+      }
+      *reinterpret_cast<uint4*>(query_smem + q_chunk / 8 * L::kQueryBlockBytes +
+                                row * kSwizzleRowBytes + (((q_chunk % 8) ^ (row % 8)) << 4)) =
+          value;
+      token += q_step_tokens;
+      head += q_step_heads;
+      if (head >= group) {
+        head -= group;
+        ++token;
+      }
+    }
+    // Written through the generic proxy, read by wgmma through the async one.
+    sm90::FenceProxyAsync();
+    sm90::NamedBarrierSync(kQueryBarrier + warpgroup_index, 128);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int token = rows[r] / group;
-      const bool valid = token < w.t.tokens;
-      row_token[r] = valid ? first_token + token : -1;
+      row_token[r] = token < w.t.tokens ? first_token + token : -1;
       row_pos[r] = w.t.first_pos + token;
-      const T* q = static_cast<const T*>(p.q) +
-                   (static_cast<int64_t>(valid ? row_token[r] : 0) * p.num_q_heads +
-                    kv_head * group + rows[r] % group) * kHeadDim + col;
-#pragma unroll
-      for (int step = 0; step < kSteps; ++step) {
-        qa[step][r] = valid ? *reinterpret_cast<const uint32_t*>(q + step * 16) : 0u;
-        qa[step][r + 2] = valid ? *reinterpret_cast<const uint32_t*>(q + step * 16 + 8) : 0u;
-      }
       running_max[r] = -INFINITY;
       running_sum[r] = 0.0f;
     }
@@ -284,13 +341,16 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 
   // O += P V for the stage in `slot`, V MN-major: a k16 step is 16 rows of 128 bytes, column
   // blocks kBlockBytes apart. Issued only; the caller commits and waits.
+  // (A descriptor's address field is the address / 16 in its low bits: offsets within the
+  // shared memory add to it.)
   const auto issue_pv = [&](const uint32_t (&pa)[kStageTokens / 16][4], int slot) {
-    const uint32_t v_base = stages_address + slot * L::kStageBytes + L::kPartBytes;
+    const uint64_t v_desc =
+        wg::Swizzle128Descriptor(stages_address + slot * L::kStageBytes + L::kPartBytes,
+                                 L::kBlockBytes, kSwizzleAtomBytes);
 #pragma unroll
     for (int step = 0; step < kStageTokens / 16; ++step) {
-      const uint64_t v_desc = wg::Swizzle128Descriptor(
-          v_base + step * 16 * kSwizzleRowBytes, L::kBlockBytes, kSwizzleAtomBytes);
-      wg::MmaAsync<T, kHeadDim, 1>(o, pa[step], v_desc, step > 0 || !o_empty);
+      wg::MmaAsync<T, kHeadDim, 1>(o, pa[step], v_desc + step * 16 * kSwizzleRowBytes / 16,
+                                   step > 0 || !o_empty);
     }
     o_empty = false;
   };
@@ -316,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   for (int iter = 0; iter < num_iters; ++iter) {
     const int slot = iter % kStages;
     sm90::WaitParity(sm90::SharedAddress(&full[slot]), (iter / kStages) & 1);
-    const uint2 mask = stage_masks[slot];
+    const uint4 mask = stage_masks[slot];
 
     if (work.stage == 0 || iter == 0) {
       start_tile(work);
@@ -336,22 +396,20 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       // cp.async wrote the stage through the generic proxy; wgmma reads it through the async
       // one.
       sm90::FenceProxyAsync();
-      const uint32_t k_base = stages_address + slot * L::kStageBytes;
+      const uint64_t k_desc = wg::Swizzle128Descriptor(stages_address + slot * L::kStageBytes,
+                                                       16, kSwizzleAtomBytes);
 
-      // S (64 rows x 64 positions) = Q K^T, K-major: a k16 step is 32 bytes of a 128-byte row;
-      // then the previous stage's P V.
-      // S's accumulators (step 0 overwrites them), then the weights made of them: the softmax
-      // writes `w`, as ptxas serialises MMAs whose accumulators other instructions write
-      // before the wait for the last MMA in flight (here P V).
-      float s[kScoreRegs], w[kScoreRegs];
+      // S (64 rows x 128 positions) = Q K^T, both K-major: a k16 step is 32 bytes of a 128-byte
+      // row; then the previous stage's P V. S's accumulators (step 0 overwrites them) become
+      // the weights in place.
+      float s[kScoreRegs];
       const auto issue_s = [&] {
         wg::FenceOperands(o);
         wg::Fence();
 #pragma unroll
         for (int step = 0; step < kSteps; ++step) {
-          const uint64_t k_desc = wg::Swizzle128Descriptor(
-              k_base + step / 4 * L::kBlockBytes + step % 4 * 32, 16, kSwizzleAtomBytes);
-          wg::MmaAsync<T, kStageTokens, 0>(s, qa[step], k_desc, step > 0);
+          wg::MmaAsync<T>(s, q_desc + (step / 4 * L::kQueryBlockBytes + step % 4 * 32) / 16,
+                          k_desc + (step / 4 * L::kBlockBytes + step % 4 * 32) / 16, step > 0);
         }
         wg::Commit();
       };
@@ -369,30 +427,44 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
         wg::Wait<0>();
       }
 
-      // Logits in log2 units, masked (causal, window, positions without a page, rows past the
-      // tile) unless every row of the warp sees the whole stage, then the online softmax. Each
-      // choice is made once per stage, not per score: the per-score branches of the soft cap
-      // made the loop large enough to stall on instruction fetch (h100-ncu-ragged-warpgroup).
+      // Scores masked (causal, window, positions without a page, rows past the tile) unless
+      // every row of the warp sees the whole stage, then the online softmax in log2 units:
+      // weights exp2(s * row_scale - max), the scale folded into the exponent's FMA (so the row
+      // maxima are taken before it: a positive scale keeps them). A soft cap, or a scale that is
+      // not positive, turns the scores into logits first. Each choice is made once per stage,
+      // not per score: the per-score branches of the soft cap made the loop large enough to
+      // stall on instruction fetch (h100-ncu-ragged-warpgroup).
+      float row_scale = log2_scale;
       if (p.soft_cap > 0.0f) {
 #pragma unroll
-        for (int i = 0; i < kScoreRegs; ++i) w[i] = log2_cap * tanhf(s[i] * cap_scale);
-      } else {
+        for (int i = 0; i < kScoreRegs; ++i) s[i] = log2_cap * tanhf(s[i] * cap_scale);
+        row_scale = 1.0f;
+      } else if (!(log2_scale > 0.0f)) {
 #pragma unroll
-        for (int i = 0; i < kScoreRegs; ++i) w[i] = s[i] * log2_scale;
+        for (int i = 0; i < kScoreRegs; ++i) s[i] = s[i] * log2_scale;
+        row_scale = 1.0f;
       }
       const bool unmasked =
-          (mask.x & mask.y) == 0xffffffffu && first_pos + kStageTokens - 1 <= warp_first_pos &&
+          (mask.x & mask.y & mask.z & mask.w) == 0xffffffffu &&
+          first_pos + kStageTokens - 1 <= warp_first_pos &&
           (p.sliding_window == 0 || first_pos > warp_last_pos - p.sliding_window);
       if (!unmasked) {
+        // Score i's position is first_pos + c + col, c = 8 (i / 4) + i % 2 (a constant): per
+        // row, the visible c are [lo, hi], and its mask bit is bit c % 32 of word c / 32
+        // shifted by col.
+        int lo[2], hi[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          hi[r] = row_token[r] >= 0 ? row_pos[r] - first_pos - col : -kStageTokens;
+          lo[r] = p.sliding_window > 0 ? row_pos[r] - p.sliding_window + 1 - first_pos - col
+                                       : -kStageTokens;
+        }
+        const uint32_t words[4] = {mask.x >> col, mask.y >> col, mask.z >> col, mask.w >> col};
 #pragma unroll
         for (int i = 0; i < kScoreRegs; ++i) {
           const int r = i % 4 / 2;
-          const int index = i / 4 * 8 + col + i % 2;
-          const int pos = first_pos + index;
-          const bool has_row = ((index < 32 ? mask.x : mask.y) >> (index % 32)) & 1u;
-          const bool seen = row_token[r] >= 0 && has_row && pos <= row_pos[r] &&
-                            (p.sliding_window == 0 || pos > row_pos[r] - p.sliding_window);
-          if (!seen) w[i] = -INFINITY;
+          const int c = i / 4 * 8 + i % 2;
+          if (c < lo[r] || c > hi[r] || !((words[c / 32] >> (c % 32)) & 1u)) s[i] = -INFINITY;
         }
       }
       // Row maxima and sums in four partial chains each: short dependency chains.
@@ -400,12 +472,12 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         float& m = tile_max[i % 4 / 2][i / 4 * 2 % 4 + i % 2];
-        m = i < 8 ? w[i] : fmaxf(m, w[i]);
+        m = i < 8 ? s[i] : fmaxf(m, s[i]);
       }
 #pragma unroll
       for (int i = 16; i < kScoreRegs; ++i) {
         float& m = tile_max[i % 4 / 2][i / 4 * 2 % 4 + i % 2];
-        m = fmaxf(m, w[i]);
+        m = fmaxf(m, s[i]);
       }
       float scale_old[2], base[2];
 #pragma unroll
@@ -414,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
                               fmaxf(tile_max[r][2], tile_max[r][3]));
         row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
         row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-        const float new_max = fmaxf(running_max[r], row_max);
+        const float new_max = fmaxf(running_max[r], row_max * row_scale);
         base[r] = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet: all weights 0
         scale_old[r] = cuda::Exp2(running_max[r] - base[r]);
         running_max[r] = new_max;
@@ -422,9 +494,9 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       float tile_sum[2][4];
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
-        w[i] = cuda::Exp2(w[i] - base[i % 4 / 2]);
+        s[i] = cuda::Exp2(fmaf(s[i], row_scale, -base[i % 4 / 2]));
         float& sum = tile_sum[i % 4 / 2][i / 4 * 2 % 4 + i % 2];
-        sum = i < 8 ? w[i] : sum + w[i];
+        sum = i < 8 ? s[i] : sum + s[i];
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -442,10 +514,10 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       // P's A fragment is the weights, rounded to T.
 #pragma unroll
       for (int step = 0; step < kStageTokens / 16; ++step) {
-        pa[step][0] = sm90::Pack<T>(w[8 * step + 0], w[8 * step + 1]);
-        pa[step][1] = sm90::Pack<T>(w[8 * step + 2], w[8 * step + 3]);
-        pa[step][2] = sm90::Pack<T>(w[8 * step + 4], w[8 * step + 5]);
-        pa[step][3] = sm90::Pack<T>(w[8 * step + 6], w[8 * step + 7]);
+        pa[step][0] = sm90::Pack<T>(s[8 * step + 0], s[8 * step + 1]);
+        pa[step][1] = sm90::Pack<T>(s[8 * step + 2], s[8 * step + 3]);
+        pa[step][2] = sm90::Pack<T>(s[8 * step + 4], s[8 * step + 5]);
+        pa[step][3] = sm90::Pack<T>(s[8 * step + 6], s[8 * step + 7]);
       }
       pending_slot = slot;
     } else {

@@ -104,7 +104,7 @@ struct Kernels {
     // Units (tile, stage) of the whole batch stay well inside int.
     const int64_t tile_tokens = tile_rows / p.group_size;
     const int64_t tiles = (s.num_tokens + tile_tokens - 1) / tile_tokens + s.max_num_seqs;
-    if (tiles * (s.capacity() / tiled::kStageTokens + 2) > INT32_MAX / 2) return std::nullopt;
+    if (tiles * (s.capacity() / tiled::kMinStageTokens + 2) > INT32_MAX / 2) return std::nullopt;
     const int ctas_per_sm = cuda::CtasPerSm(reinterpret_cast<const void*>(attend), *call.device,
                                             threads, shared_bytes);
     if (ctas_per_sm == 0) return std::nullopt;

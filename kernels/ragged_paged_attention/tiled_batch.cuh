@@ -4,7 +4,8 @@
 //   query tokens times the group's query heads (row = token * group + head), so every K/V row
 //   a tile loads serves all of them.
 // - A tile attends to kv positions from its first token's window start (0 without a window) to
-//   its last token's position, in stages of kStageTokens positions: its units of work. The
+//   its last token's position, in stages of kStageTokens positions (the kernel's choice, a
+//   template parameter here): its units of work. The
 //   units of every tile of every sequence, in order, are split evenly between the CTAs of a kv
 //   head (kernels/common/balanced_split.cuh, the decode kernel's scheduler, with a sequence's
 //   units the stages of its tiles). A CTA walks its range of (tile, stage) units; a tile may
@@ -27,7 +28,7 @@
 
 namespace xla_ext::ragged_paged_attention::tiled {
 
-constexpr int kStageTokens = 64;  // kv positions per stage
+constexpr int kMinStageTokens = 64;  // the smallest stage a kernel takes (the host's bounds)
 constexpr int kMinCtaStages = 2;  // the fewest units a CTA takes
 constexpr int kCombineWarps = 8;
 
@@ -68,6 +69,7 @@ __device__ __forceinline__ int TilesOf(const Params& p, const Sequence& s) {
   return (s.q_len + p.tile_tokens - 1) / p.tile_tokens;
 }
 
+template <int kStageTokens>
 __device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j) {
   Tile t;
   t.first_token = j * p.tile_tokens;
@@ -80,14 +82,18 @@ __device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j
   return t;
 }
 
+template <int kStageTokens>
 __device__ __forceinline__ int UnitsOf(const Params& p, const OwnedRows& rows, int seq) {
   const Sequence s = TiledSequence(p, rows, seq);
   int units = 0;
-  for (int j = 0, tiles = TilesOf(p, s); j < tiles; ++j) units += TileOf(p, s, j).stages;
+  for (int j = 0, tiles = TilesOf(p, s); j < tiles; ++j) {
+    units += TileOf<kStageTokens>(p, s, j).stages;
+  }
   return units;
 }
 
 // A walk over consecutive units (every thread of the CTA holds the same one).
+template <int kStageTokens>
 struct UnitWalk {
   OwnedRows rows;
   int seq;
@@ -104,11 +110,11 @@ struct UnitWalk {
     seq = first_seq;
     s = TiledSequence(p, rows, seq);
     tile = 0;
-    t = TileOf(p, s, 0);
+    t = TileOf<kStageTokens>(p, s, 0);
     tile_begin = seq_begin;
     while (unit >= tile_begin + t.stages) {
       tile_begin += t.stages;
-      t = TileOf(p, s, ++tile);
+      t = TileOf<kStageTokens>(p, s, ++tile);
     }
     stage = unit - tile_begin;
   }
@@ -119,14 +125,14 @@ struct UnitWalk {
     stage = 0;
     tile_begin += t.stages;
     if (++tile < TilesOf(p, s)) {
-      t = TileOf(p, s, tile);
+      t = TileOf<kStageTokens>(p, s, tile);
       return;
     }
     do {
       s = TiledSequence(p, rows, ++seq);
     } while (s.q_len == 0);
     tile = 0;
-    t = TileOf(p, s, 0);
+    t = TileOf<kStageTokens>(p, s, 0);
   }
 
   __device__ int FirstPosition() const { return (t.first_stage + stage) * kStageTokens; }
@@ -136,7 +142,8 @@ struct UnitWalk {
 // starting tile w.t at its unit w: if the tile's first stage is this CTA's, tells its tokens'
 // rows where their pieces' records are (kv head 0's CTAs do it for all: the split is the same
 // for every kv head).
-__device__ __forceinline__ void AnnounceTile(const Params& p, const UnitWalk& w,
+template <int kStageTokens>
+__device__ __forceinline__ void AnnounceTile(const Params& p, const UnitWalk<kStageTokens>& w,
                                              const cuda::balanced::Range& range) {
   if (w.stage != 0 || blockIdx.y != 0 || threadIdx.x >= w.t.tokens) return;
   const int first_token = w.s.q_start + w.t.first_token;
