@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
   const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
   // (Its barriers also publish the mbarrier initialisation to the CTA.)
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      num_seqs, tiled::kMinCtaStages, [&](int seq) { return tiled::UnitsOf<kStageTokens>(p, owned_rows, seq); },
+      num_seqs, tiled::kMinCtaStages,
+      [&](int seq) { return tiled::UnitsOf<kStageTokens>(p, owned_rows, seq); },
       schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;
