@@ -2,8 +2,8 @@
 // descriptors, the fences and waits around the asynchronous MMAs, the register moves between
 // warpgroups (setmaxnreg), and m64nNk16 with A from registers or shared memory (f32
 // accumulators, f16/bf16 inputs). Each wraps one instruction. wgmma exists only in sm_90a code
-// (not in compute_90 PTX, nor on later GPUs): callers guard their use with `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` and
-// launch it only on compute capability 9.x.
+// (not in compute_90 PTX, nor on later GPUs): callers guard their use with
+// `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` and launch it only on compute capability 9.x.
 //
 // Operand layouts (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): warp w
 // of the warpgroup holds rows 16 w .. 16 w + 15 of A and D. A's four registers hold, as in
