@@ -150,16 +150,10 @@ struct Kernels {
       kernel.attend<<<dim3(static_cast<unsigned>(kernel.workers),
                            static_cast<unsigned>(s.num_kv_heads)),
                       kernel.threads, kernel.shared_bytes, call.stream>>>(tp);
-      // A warp takes 32 rows at a time; no more CTAs than the GPU holds at once (2048 threads
-      // per SM from compute capability 9.0 on, where the tiled kernels run).
       const int64_t rows = s.num_tokens * s.num_q_heads;
-      constexpr int kRowsPerCta = tiled::kCombineWarps * 32;
-      const int64_t combine_ctas =
-          std::min<int64_t>((rows + kRowsPerCta - 1) / kRowsPerCta,
-                            int64_t{call.device->sms} * (2048 / (tiled::kCombineWarps * 32)));
       tiled::CombineKernel<T, kHeadDim>
-          <<<static_cast<unsigned>(std::max<int64_t>(combine_ctas, 1)), tiled::kCombineWarps * 32,
-             0, call.stream>>>(tp);
+          <<<static_cast<unsigned>((rows + tiled::kCombineWarps - 1) / tiled::kCombineWarps),
+             tiled::kCombineWarps * 32, 0, call.stream>>>(tp);
       if (decode_plan.has_value()) {
         // After the tiled kernel's combine, which writes zeros to the decode-step rows.
         paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{batch},
