@@ -151,8 +151,8 @@ inline std::optional<DeviceInfo> CurrentDeviceInfo() {
 
 // CTAs of `kernel` an SM holds with `shared_bytes` of dynamic shared memory (0 if the runtime
 // cannot say). The first call per (kernel, device) also opts the kernel in to the device's
-// largest shared memory. Answers are kept: these driver calls cost microseconds, and a decode
-// step calls a handler once per layer.
+// largest shared memory (less its static shared memory: the runtime refuses more). Answers are
+// kept: these driver calls cost microseconds, and a decode step calls a handler once per layer.
 inline int CtasPerSm(const void* kernel, const DeviceInfo& device, int threads, int shared_bytes) {
   static std::mutex mu;
   static std::map<std::tuple<const void*, int, int, int>, int> answers;
@@ -160,8 +160,11 @@ inline int CtasPerSm(const void* kernel, const DeviceInfo& device, int threads, 
   const auto key = std::make_tuple(kernel, device.id, threads, shared_bytes);
   if (auto it = answers.find(key); it != answers.end()) return it->second;
   int ctas = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           device.max_shared_bytes) != cudaSuccess ||
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           device.max_shared_bytes -
+                               static_cast<int>(attributes.sharedSizeBytes)) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, shared_bytes) !=
           cudaSuccess) {
     cudaGetLastError();  // not left behind for the launch check to report

@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     }
     sm90::FenceBarrierInit();
   }
+  sm90::LaunchDependents();  // the combine kernel (it waits for this grid to finish)
   const int num_seqs = NumSeqs(p);
   const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
   // (Its barriers also publish the mbarrier initialisation to the CTA.)

@@ -150,10 +150,18 @@ struct Kernels {
       kernel.attend<<<dim3(static_cast<unsigned>(kernel.workers),
                            static_cast<unsigned>(s.num_kv_heads)),
                       kernel.threads, kernel.shared_bytes, call.stream>>>(tp);
+      // Its warps stride over the rows (tiled::CombineKernel): a warp per row, in a grid no
+      // larger than the GPU holds at once.
       const int64_t rows = s.num_tokens * s.num_q_heads;
-      tiled::CombineKernel<T, kHeadDim>
-          <<<static_cast<unsigned>((rows + tiled::kCombineWarps - 1) / tiled::kCombineWarps),
-             tiled::kCombineWarps * 32, 0, call.stream>>>(tp);
+      const int combine_ctas_per_sm = std::max(
+          1, cuda::CtasPerSm(reinterpret_cast<const void*>(&tiled::CombineKernel<T, kHeadDim>),
+                             *call.device, tiled::kCombineWarps * 32, 0));
+      const int64_t combine_ctas =
+          std::min<int64_t>((rows + tiled::kCombineWarps - 1) / tiled::kCombineWarps,
+                            int64_t{call.device->sms} * combine_ctas_per_sm);
+      cuda::LaunchProgrammatic(tiled::CombineKernel<T, kHeadDim>,
+                               dim3(static_cast<unsigned>(combine_ctas)),
+                               dim3(tiled::kCombineWarps * 32), 0, call.stream, tp);
       if (decode_plan.has_value()) {
         // After the tiled kernel's combine, which writes zeros to the decode-step rows.
         paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{batch},

@@ -24,6 +24,7 @@
 
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/sm90.cuh"
 #include "kernels/ragged_paged_attention/batch_params.cuh"
 
 namespace xla_ext::ragged_paged_attention::tiled {
@@ -168,55 +169,77 @@ __device__ __forceinline__ int64_t RecordRow(const Params& p, const cuda::balanc
   return (static_cast<int64_t>(blockIdx.y) * p.num_records + record) * p.tile_rows + row;
 }
 
-// One warp per (token, query head): a token no tile holds gets zeros; one whose tile was split
-// gets out = v_scale * sum_i w_i o_i / sum_i w_i l_i over its pieces' records i,
+// The rows (token, query head): a token no tile holds gets zeros; one whose tile was split gets
+// out = v_scale * sum_i w_i o_i / sum_i w_i l_i over its pieces' records i,
 // w_i = 2^(m_i - max_i m_i) (maxima in log2 units; a piece that saw nothing has m_i = -inf:
-// weight 0).
+// weight 0). A grid of at most what the GPU holds at once: warp w of W takes rows w, w + W,
+// w + 2W, ..., 32 at a time, a lane each, which looks up its row's pieces and writes its zeros
+// if it gets them; then the warp merges its split rows one after another. Consecutive rows,
+// which are split or not together (a tile's), so go to different warps. (A warp per row, 32768
+// CTAs on prefill 4 x 2048, took 32 us, nearly all of it launching warps whose tile had been
+// written whole; 32 consecutive rows per warp left a 512-token chunk's split rows to a few
+// warps, 48 us.)
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(Params p) {
   constexpr int kPerLane = (kHeadDim + 31) / 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
+  cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
+  cuda::sm90::LaunchDependents();
   const int lane = threadIdx.x % 32;
-  if (row >= static_cast<int64_t>(p.num_tokens) * p.num_q_heads) return;
-  const int token = static_cast<int>(row / p.num_q_heads);
-  const int head = static_cast<int>(row % p.num_q_heads);
-  const int4 pieces = p.row_pieces[token];
-  T* out = static_cast<T*>(p.out) + row * kHeadDim;
-  if (pieces.y == 1) return;
-  float acc[kPerLane];
+  const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
+  const int64_t warps = int64_t{gridDim.x} * kCombineWarps;
+  for (int64_t first = int64_t{blockIdx.x} * kCombineWarps + threadIdx.x / 32; first < rows;
+       first += 32 * warps) {
+    const int64_t lane_row = first + lane * warps;
+    const int lane_pieces = lane_row < rows ? p.row_pieces[lane_row / p.num_q_heads].y : 1;
+    if (lane_pieces == 0) {
+      uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + lane_row * kHeadDim);
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.0f;
-  float sum = 0.0f;
-  if (pieces.y > 1) {
-    const int kv_head = head / p.group_size;
-    const int tile_row = (token - pieces.z) * p.group_size + head % p.group_size;
-    const auto at = [&](int piece) {  // the piece's record row
-      const int record = piece == 0 ? pieces.x : 2 * (pieces.x / 2 + piece);
-      return (static_cast<int64_t>(kv_head) * p.num_records + record) * p.tile_rows + tile_row;
-    };
-    float row_max = -INFINITY;
-    for (int i = 0; i < pieces.y; ++i) row_max = fmaxf(row_max, p.partial_max[at(i)]);
-    if (row_max != -INFINITY) {
-      for (int i = 0; i < pieces.y; ++i) {
-        const int64_t record = at(i);
-        const float m = p.partial_max[record];
-        if (m == -INFINITY) continue;
-        const float weight = cuda::Exp2(m - row_max);
-        sum += weight * p.partial_sum[record];
-        const float* partial = p.partial_out + record * kHeadDim;
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          const int d = lane + 32 * k;
-          if (d < kHeadDim) acc[k] += weight * partial[d];
-        }
+      for (int i = 0; i < kHeadDim * static_cast<int>(sizeof(T)) / 16; ++i) {
+        out[i] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
-  }
-  const float scale = sum > 0.0f ? p.v_scale / sum : 0.0f;
+    uint32_t pending = __ballot_sync(0xffffffffu, lane_pieces > 1);
+    while (pending != 0) {
+      const int64_t row = first + (__ffs(pending) - 1) * warps;
+      pending &= pending - 1;
+      const int token = static_cast<int>(row / p.num_q_heads);
+      const int head = static_cast<int>(row % p.num_q_heads);
+      const int4 pieces = p.row_pieces[token];
+      float acc[kPerLane];
 #pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    const int d = lane + 32 * k;
-    if (d < kHeadDim) out[d] = cuda::FromFloat<T>(acc[k] * scale);
+      for (int i = 0; i < kPerLane; ++i) acc[i] = 0.0f;
+      float sum = 0.0f;
+      const int kv_head = head / p.group_size;
+      const int tile_row = (token - pieces.z) * p.group_size + head % p.group_size;
+      const auto at = [&](int piece) {  // the piece's record row
+        const int record = piece == 0 ? pieces.x : 2 * (pieces.x / 2 + piece);
+        return (static_cast<int64_t>(kv_head) * p.num_records + record) * p.tile_rows + tile_row;
+      };
+      float row_max = -INFINITY;
+      for (int i = 0; i < pieces.y; ++i) row_max = fmaxf(row_max, p.partial_max[at(i)]);
+      if (row_max != -INFINITY) {
+        for (int i = 0; i < pieces.y; ++i) {
+          const int64_t record = at(i);
+          const float m = p.partial_max[record];
+          if (m == -INFINITY) continue;
+          const float weight = cuda::Exp2(m - row_max);
+          sum += weight * p.partial_sum[record];
+          const float* partial = p.partial_out + record * kHeadDim;
+#pragma unroll
+          for (int k = 0; k < kPerLane; ++k) {
+            const int d = lane + 32 * k;
+            if (d < kHeadDim) acc[k] += weight * partial[d];
+          }
+        }
+      }
+      const float scale = sum > 0.0f ? p.v_scale / sum : 0.0f;
+      T* out = static_cast<T*>(p.out) + row * kHeadDim;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int d = lane + 32 * k;
+        if (d < kHeadDim) out[d] = cuda::FromFloat<T>(acc[k] * scale);
+      }
+    }
   }
 }
 
