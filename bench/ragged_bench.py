@@ -128,12 +128,16 @@ def main():
     parser.add_argument("--flashinfer", action="store_true")
     parser.add_argument("--impls", default="xla_ext,xla_native",
                         help="comma-separated: xla_ext, xla_native (FlashInfer: --flashinfer)")
+    parser.add_argument("--only", help="run only mixes whose name contains one of these "
+                        "'|'-separated parts")
     args = parser.parse_args()
     copy = decode_bench.copy_gbps(args.reps)
     tflops = matmul_tflops(args.reps)
     print(f"copy {copy:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     rows = []
     for name, q_lens, kv_lens in MIXES:
+        if args.only and not any(part in name for part in args.only.split("|")):
+            continue
         data = sample_inputs.ragged_paged_attention(q_lens, kv_lens, H, KVH, D, PAGE,
                                                     torch.bfloat16)
         inputs = [jnp.asarray(np.asarray(t.view(torch.int16).numpy()).view(jnp.bfloat16))

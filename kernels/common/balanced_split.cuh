@@ -61,18 +61,21 @@ struct Range {
 };
 
 // Every thread of the CTA calls it, with units_of(i) >= 0 for every i < num_seqs (read twice:
-// the second time from L1). `scratch`: ScratchInts(blockDim.x) ints of shared memory.
-template <typename UnitsOf>
-__device__ Range LocateRange(int num_seqs, int min_chunk, UnitsOf units_of, int* scratch) {
+// the second time from L1). `scratch`: ScratchInts(blockDim.x) ints of shared memory. The
+// units go to the first active_ctas(total) CTAs of the grid (every thread calls it, and may
+// use `scratch` in it); the others get empty ranges.
+template <typename UnitsOf, typename ActiveCtas>
+__device__ Range LocateRange(int num_seqs, int min_chunk, UnitsOf units_of, int* scratch,
+                             ActiveCtas active_ctas) {
   const int warps = (blockDim.x + 31) / 32;
   int local = 0;
   for (int i = threadIdx.x; i < num_seqs; i += blockDim.x) local += units_of(i);
   int total;
   BlockInclusiveScan(local, scratch, total);
+  const int ctas = max(active_ctas(total), 1);
 
   Range range;
-  range.chunk = max((total + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x),
-                    min_chunk);
+  range.chunk = max((total + ctas - 1) / ctas, min_chunk);
   range.begin = static_cast<int>(
       min(static_cast<int64_t>(blockIdx.x) * range.chunk, static_cast<int64_t>(total)));
   range.end = min(range.begin + range.chunk, total);
@@ -97,6 +100,20 @@ __device__ Range LocateRange(int num_seqs, int min_chunk, UnitsOf units_of, int*
   range.first_seq = scratch[warps];
   range.first_seq_begin = scratch[warps + 1];
   return range;
+}
+
+// The units split over the whole grid.
+template <typename UnitsOf>
+__device__ Range LocateRange(int num_seqs, int min_chunk, UnitsOf units_of, int* scratch) {
+  return LocateRange(num_seqs, min_chunk, units_of, scratch,
+                     [](int) { return static_cast<int>(gridDim.x); });
+}
+
+// The sum of value over the CTA's threads, in every thread (scratch as BlockInclusiveScan's).
+__device__ __forceinline__ int BlockSum(int value, int* scratch) {
+  int total;
+  BlockInclusiveScan(value, scratch, total);
+  return total;
 }
 
 // One warp's walk over the units of consecutive sequences, from a given unit of a given

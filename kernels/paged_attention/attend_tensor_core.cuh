@@ -104,8 +104,14 @@ __device__ __forceinline__ int StagesOf(int length) {
 constexpr int kMinCtaStages = 4;
 
 // Stages of a sequence of `length` tokens that its window (split_kv.cuh) leaves out.
-__device__ __forceinline__ int SkippedStages(const Params& p, int length) {
-  return WindowStart(p, length) / kStageTokens;
+__device__ __forceinline__ int SkippedStages(int window, int length) {
+  return WindowStart(window, length) / kStageTokens;
+}
+
+// The kernel's units of work of a sequence of `length` tokens (every thread of every CTA
+// computes the same): its stages that the window keeps.
+__device__ __forceinline__ int UnitsOf(int window, int length) {
+  return StagesOf(length) - SkippedStages(window, length);
 }
 
 // kHighRows: the GQA group has more than 8 heads, so rows 8-15 of the MMA tiles are used.
@@ -140,14 +146,22 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     sm90::FenceBarrierInit();
   }
   // Launched programmatically: the set-up above overlaps the previous kernel's tail; global
-  // memory only after it has finished.
-  sm90::WaitForPrerequisiteGrid();
+  // memory only after it has finished, unless the batch runs beside it (then every exit waits
+  // for it, so that this grid ends after it: the kernels behind this one wait for this one).
+  if constexpr (Batch::kWaitsBeforeReading) sm90::WaitForPrerequisiteGrid();
+  const auto finish = [] {
+    if constexpr (!Batch::kWaitsBeforeReading) sm90::WaitForPrerequisiteGrid();
+  };
   const auto length_of = [&](int seq) { return batch.Length(p, seq); };
-  const auto units_of = [&](int length) { return StagesOf(length) - SkippedStages(p, length); };
+  const auto units_of = [&](int length) { return UnitsOf(p.window, length); };
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
       p.num_seqs, kMinCtaStages, [&](int seq) { return units_of(length_of(seq)); },
-      schedule_scratch);
-  if (range.begin >= range.end) return;  // more CTAs than stages
+      schedule_scratch,
+      [&](int units) { return batch.ActiveCtas(p, units, schedule_scratch); });
+  if (range.begin >= range.end) {  // more CTAs than stages
+    finish();
+    return;
+  }
   const int num_iters = range.end - range.begin;
 
   if (warp == kv_heads_per_cta) {
@@ -174,7 +188,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     cuda::balanced::SequenceWalk walk(length_of, units_of, p.num_seqs, range.first_seq,
                                       range.begin - range.first_seq_begin);
     const auto first_token = [&]() {
-      return (SkippedStages(p, walk.length) + walk.unit) * kStageTokens;
+      return (SkippedStages(p.window, walk.length) + walk.unit) * kStageTokens;
     };
     const auto row_offset = [&]() -> int64_t {
       const int t = first_token() + index;
@@ -239,6 +253,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
       }
       offset = next;
     }
+    finish();
     return;
   }
 
@@ -431,6 +446,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   // The combine kernel may start launching (it waits for this grid to finish).
   sm90::LaunchDependents();
   write_piece(seq, piece_from_start && piece_to_end);
+  finish();
 #else
   __trap();  // launched only on sm_90 and newer (see Supported)
 #endif
@@ -463,6 +479,7 @@ struct Plan {
   int kv_heads_per_cta = 1;
   int num_stages = 0;
   int workers = 1;
+  int ctas_per_sm = 1;
   Layout layout{};
 };
 
@@ -494,6 +511,7 @@ std::optional<Plan> PlanFor(int num_kv_heads, bool kv_interleaved,
       reinterpret_cast<const void*>(&AttendTensorCoreKernel<T, kHeadSize, kHighRows, Batch>),
       device, (kv_heads + 1) * 32, SharedBytes(plan.layout, plan.num_stages));
   if (ctas_per_sm == 0) return std::nullopt;
+  plan.ctas_per_sm = ctas_per_sm;
   plan.workers = static_cast<int>(
       std::max<int64_t>(1, int64_t{device.sms} * ctas_per_sm / (num_kv_heads / kv_heads)));
   return plan;

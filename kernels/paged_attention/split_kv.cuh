@@ -55,10 +55,18 @@ struct Params {
 // output are row i. (The decode kernels take the batch as a type with the same two functions:
 // ragged attention's decode steps are another; kernels/ragged_paged_attention.)
 struct SeqLensBatch {
+  // The tensor-core kernel reads global memory only after the previous grid has finished
+  // (false: a batch whose kernel runs beside it waits for it before exiting instead).
+  static constexpr bool kWaitsBeforeReading = true;
   // Tokens of sequence `seq` to attend (0: none; the kernels then leave its row to others).
   __device__ int Length(const Params& p, int seq) const;
   // Its query and output row; -1: a row the combine must not write.
   __device__ int64_t Row(const Params&, int seq) const { return seq; }
+  // The tensor-core kernel's CTAs that share the batch's `units` (all threads of a CTA call
+  // it; it may use the CTA's schedule scratch).
+  __device__ int ActiveCtas(const Params&, int /*units*/, int* /*scratch*/) const {
+    return static_cast<int>(gridDim.x);
+  }
 };
 
 // Tokens a sequence's block-table row can address.
@@ -80,8 +88,11 @@ __device__ __forceinline__ int SeqLensBatch::Length(const Params& p, int seq) co
 }
 
 // The first token a query row of a sequence of `length` tokens sees.
+__device__ __forceinline__ int WindowStart(int window, int length) {
+  return window > 0 ? max(0, length - window) : 0;
+}
 __device__ __forceinline__ int WindowStart(const Params& p, int length) {
-  return p.window > 0 ? max(0, length - p.window) : 0;
+  return WindowStart(p.window, length);
 }
 
 // Element offset of token t's row for kv_head (the rows of the following kv heads come right

@@ -34,6 +34,7 @@
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
 #include "kernels/common/warpgroup_mma.cuh"
+#include "kernels/ragged_paged_attention/gpu_share.cuh"
 #include "kernels/ragged_paged_attention/tiled_batch.cuh"
 
 namespace xla_ext::ragged_paged_attention::warpgroup {
@@ -132,13 +133,12 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
     }
     sm90::FenceBarrierInit();
   }
-  sm90::LaunchDependents();  // the combine kernel (it waits for this grid to finish)
+  sm90::LaunchDependents();  // the decode-step kernel (gpu_share.cuh) or the combine
   const int num_seqs = NumSeqs(p);
   const OwnedRows owned_rows = OwnedRowsOf(p, num_seqs);
   // (Its barriers also publish the mbarrier initialisation to the CTA.)
-  const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      num_seqs, tiled::kMinCtaStages,
-      [&](int seq) { return tiled::UnitsOf<kStageTokens>(p, owned_rows, seq); }, schedule_scratch);
+  const cuda::balanced::Range range =
+      LocateTiledRange<kStageTokens>(p, owned_rows, num_seqs, schedule_scratch);
   if (range.begin >= range.end) return;  // more CTAs than units
   const int num_iters = range.end - range.begin;
 

@@ -8,6 +8,20 @@
 
 namespace xla_ext::ragged_paged_attention {
 
+// How the tiled kernel and the decode-step kernel, which run at the same time, share the SMs
+// (gpu_share.cuh): their grids, and what a unit of each costs an SM.
+struct GpuShare {
+  int sms;
+  int tiled_workers;       // the tiled grid's CTAs per kv head (its gridDim.x)
+  int tiled_ctas_per_sm;
+  int decode_workers;      // the decode-step grid's gridDim.x; 0: no decode-step kernel
+  int decode_groups;       // its gridDim.y
+  int decode_ctas_per_sm;
+  int tiled_unit_ns;       // one tiled unit (a stage of a tile of one kv head)
+  int decode_unit_ns;      // one decode-step unit (a stage of a CTA's kv heads), at the
+                           // bandwidth an SM gets while every SM streams
+};
+
 struct BatchParams {
   const void* q;
   const void* kv_pages;
@@ -30,6 +44,7 @@ struct BatchParams {
   float v_scale;
   float mask_value;
   bool visit_masked;  // mask_value > kNegligibleMaskValue: masked positions are visited
+  GpuShare share;
 };
 
 // A sequence as the tensor-core and decode-step kernels use it: entries clamped into range

@@ -3,23 +3,30 @@
 // whole token rows of every kv head at close to copy bandwidth. The ragged tensor-core kernel
 // loads one kv head's rows per CTA, a TMA copy of 512 bytes each, and its producer warp issues
 // them one lane at a time: on decode steps that, not the bytes, set its time
-// (bench/results/h100-ncu-ragged-sass-1.csv.gz). So the handler runs both: the ragged kernel on
-// the sequences with more than one query row, this one on the rest.
+// (bench/results/h100-ncu-ragged-sass-1.csv.gz). So the handler runs both, side by side
+// (gpu_share.cuh): the ragged kernel on the sequences with more than one query row, this one on
+// the rest.
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
 
 #include <cstdint>
 
+#include "kernels/common/balanced_split.cuh"
 #include "kernels/paged_attention/split_kv.cuh"
 #include "kernels/ragged_paged_attention/batch_params.cuh"
+#include "kernels/ragged_paged_attention/gpu_share.cuh"
+#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 
 namespace xla_ext::ragged_paged_attention {
 
 // Sequence i of the decode kernel's batch is sequence i of the ragged batch; it has tokens to
 // attend only if it is a decode step (q_len 1 after the clamps of ReadSequence, the same test
 // by which the ragged tensor-core kernel leaves it out), and its row is its query token.
+// It runs beside the tiled kernel: it reads global memory before that grid ends, and on its
+// share of the SMs.
 struct DecodeSteps {
-  BatchParams batch;
+  tiled::Params batch;  // the tiled kernel's: the batch, and its tiles and stages
+  static constexpr bool kWaitsBeforeReading = false;
 
   __device__ Sequence StepOf(int seq) const {
     const int num_seqs = NumSeqs(batch);
@@ -33,6 +40,18 @@ struct DecodeSteps {
   __device__ int64_t Row(const paged_attention::Params&, int seq) const {
     const Sequence s = StepOf(seq);
     return s.q_len == 1 ? s.q_start : -1;
+  }
+  __device__ int ActiveCtas(const paged_attention::Params&, int units, int* scratch) const {
+    if (units == 0) return 1;  // nothing to split (the tiled kernel gets every SM)
+    const int num_seqs = NumSeqs(batch);
+    const OwnedRows rows = OwnedRowsOf(batch, num_seqs);
+    int local = 0;
+    for (int i = threadIdx.x; i < num_seqs; i += blockDim.x) {
+      local += tiled::UnitsOf(batch, rows, i, batch.stage_tokens);
+    }
+    return SplitSms(batch.share, batch.num_kv_heads, cuda::balanced::BlockSum(local, scratch),
+                    units)
+        .decode_ctas;
   }
 };
 

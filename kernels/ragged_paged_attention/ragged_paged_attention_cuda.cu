@@ -3,9 +3,9 @@
 //   Hopper (the serving case): the batch's (query tile, kv stage) units split evenly over a
 //   grid that fills the GPU once, on the device. attend_warpgroup.cuh (wgmma) for head_dim 64
 //   and 128 on compute capability 9.x, attend_tensor_core.cuh (mma.sync, TMA) for the other
-//   head sizes up to 128 and newer GPUs. Their sequences with one query row (decode steps) go,
-//   after them, to the paged-attention decode kernel (decode_steps.cuh), which splits them
-//   over the GPU in the same way.
+//   head sizes up to 128 and newer GPUs. Their sequences with one query row (decode steps) go
+//   to the paged-attention decode kernel (decode_steps.cuh), which splits them in the same way
+//   over its share of the GPU, at the same time (gpu_share.cuh).
 // - attend_simt.cuh: CUDA cores, for everything else (f32, fp8 caches, head_dim 192 and 256,
 //   a mask_value whose masked positions must be visited).
 #include <algorithm>
@@ -24,6 +24,7 @@
 #include "kernels/ragged_paged_attention/attend_warpgroup.cuh"
 #include "kernels/ragged_paged_attention/batch_params.cuh"
 #include "kernels/ragged_paged_attention/decode_steps.cuh"
+#include "kernels/ragged_paged_attention/gpu_share.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
 #include "kernels/ragged_paged_attention/tiled_batch.cuh"
 #include "xla_ext/registry.h"
@@ -55,6 +56,12 @@ struct Call {
   cudaStream_t stream;
 };
 
+// A build-time knob (the A/B builds of gpu_share.cuh's split): the tiled kernel's arithmetic
+// rate per SM, as Share estimates it.
+#ifndef XLA_EXT_RAGGED_TILED_FLOPS_PER_NS
+#define XLA_EXT_RAGGED_TILED_FLOPS_PER_NS 2400
+#endif
+
 // The launches for one (q dtype, kv dtype, head_dim).
 template <typename T, typename KV, int kHeadDim>
 struct Kernels {
@@ -68,6 +75,8 @@ struct Kernels {
     int threads;
     int shared_bytes;
     int tile_rows;
+    int stage_tokens;
+    int ctas_per_sm;
     int workers;
   };
 
@@ -82,21 +91,22 @@ struct Kernels {
           call.shapes.num_pages * call.shapes.page_size <= INT32_MAX) {
         if (auto tiled = Sized(&warpgroup::AttendKernel<T, kHeadDim>, warpgroup::kThreads,
                                warpgroup::Layout<T, kHeadDim>::kSharedBytes,
-                               warpgroup::kTileRows, p, call)) {
+                               warpgroup::kTileRows, warpgroup::kStageTokens, p, call)) {
           return tiled;
         }
       }
     }
     if constexpr (kHasTensorCore) {
       return Sized(&tensor_core::AttendKernel<T, kHeadDim>, tensor_core::kThreads,
-                   tensor_core::Layout<T, kHeadDim>::kSharedBytes, tensor_core::kTileRows, p,
-                   call);
+                   tensor_core::Layout<T, kHeadDim>::kSharedBytes, tensor_core::kTileRows,
+                   tensor_core::kStageTokens, p, call);
     }
     return std::nullopt;
   }
 
   static std::optional<Tiled> Sized(void (*attend)(tiled::Params), int threads, int shared_bytes,
-                                    int tile_rows, const BatchParams& p, const Call& call) {
+                                    int tile_rows, int stage_tokens, const BatchParams& p,
+                                    const Call& call) {
     const Shapes& s = call.shapes;
     if (shared_bytes > call.device->max_shared_bytes || p.group_size > tile_rows) {
       return std::nullopt;
@@ -110,7 +120,7 @@ struct Kernels {
     if (ctas_per_sm == 0) return std::nullopt;
     const int workers = static_cast<int>(
         std::max<int64_t>(1, int64_t{call.device->sms} * ctas_per_sm / s.num_kv_heads));
-    return Tiled{attend, threads, shared_bytes, tile_rows, workers};
+    return Tiled{attend, threads, shared_bytes, tile_rows, stage_tokens, ctas_per_sm, workers};
   }
 
   static ffi::Error LaunchTiled(const BatchParams& batch, const Tiled& kernel, const Call& call) {
@@ -127,7 +137,9 @@ struct Kernels {
       tp.num_records = 2 * kernel.workers;
       tp.tile_rows = kernel.tile_rows;
       tp.tile_tokens = kernel.tile_rows / batch.group_size;
+      tp.stage_tokens = kernel.stage_tokens;
       tp.decode_steps_elsewhere = decode_plan.has_value();
+      tp.share = Share(kernel, decode_plan, batch, *call.device);
       paged_attention::Params decode_steps{};
       if (decode_plan.has_value()) {
         XLA_EXT_RETURN_IF_ERROR(PrepareDecodeSteps(batch, *decode_plan, call, decode_steps));
@@ -150,7 +162,12 @@ struct Kernels {
       kernel.attend<<<dim3(static_cast<unsigned>(kernel.workers),
                            static_cast<unsigned>(s.num_kv_heads)),
                       kernel.threads, kernel.shared_bytes, call.stream>>>(tp);
-      // Its warps stride over the rows (tiled::CombineKernel): a warp per row, in a grid no
+      if (decode_plan.has_value()) {
+        // Beside the tiled kernel (gpu_share.cuh), and its combine behind it.
+        paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{tp},
+                                                          *decode_plan, call.stream);
+      }
+      // After both (it waits for the previous grid, which ends after the tiled one). Its warps stride over the rows (tiled::CombineKernel): a warp per row, in a grid no
       // larger than the GPU holds at once.
       const int64_t rows = s.num_tokens * s.num_q_heads;
       const int combine_ctas_per_sm = std::max(
@@ -162,13 +179,36 @@ struct Kernels {
       cuda::LaunchProgrammatic(tiled::CombineKernel<T, kHeadDim>,
                                dim3(static_cast<unsigned>(combine_ctas)),
                                dim3(tiled::kCombineWarps * 32), 0, call.stream, tp);
-      if (decode_plan.has_value()) {
-        // After the tiled kernel's combine, which writes zeros to the decode-step rows.
-        paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{batch},
-                                                          *decode_plan, call.stream);
-      }
     }
     return ffi::Error::Success();
+  }
+
+  // How the tiled and decode-step kernels share the GPU (gpu_share.cuh). What a unit costs an
+  // SM, measured on the H100: the wgmma kernel alone did prefill 4 x 2048's 17408 units of
+  // 128 x 128 x 128 (4 flops each) on 128 CTAs in 318.8 us (h100-ragged-trace.txt), 3.6 flops
+  // per ns, but beside the decode kernel 2.3-2.5 (4 chunks of 256 + 60 decodes: 30 units per
+  // CTA in 110.8 us; h100-ragged-overlap-ab.txt); the decode kernel's 132 CTAs streamed
+  // 32 x 4096's 8192 stages of 64 KB in 184.4 us, 22 bytes per ns.
+  static GpuShare Share(const Tiled& kernel,
+                        const std::optional<paged_attention::tensor_core::Plan>& decode_plan,
+                        const BatchParams& batch, const cuda::DeviceInfo& device) {
+    constexpr int64_t kTiledFlopsPerNs = XLA_EXT_RAGGED_TILED_FLOPS_PER_NS;
+    constexpr int64_t kDecodeBytesPerNs = 22;
+    GpuShare share{};
+    share.sms = device.sms;
+    share.tiled_workers = kernel.workers;
+    share.tiled_ctas_per_sm = kernel.ctas_per_sm;
+    share.tiled_unit_ns = static_cast<int>(int64_t{4} * kernel.tile_rows * kernel.stage_tokens *
+                                           kHeadDim / kTiledFlopsPerNs);
+    if (decode_plan.has_value()) {
+      share.decode_workers = decode_plan->workers;
+      share.decode_groups = batch.num_kv_heads / decode_plan->kv_heads_per_cta;
+      share.decode_ctas_per_sm = decode_plan->ctas_per_sm;
+      share.decode_unit_ns = static_cast<int>(
+          int64_t{2} * paged_attention::tensor_core::kStageTokens * decode_plan->kv_heads_per_cta *
+          kHeadDim * sizeof(KV) / kDecodeBytesPerNs);
+    }
+    return share;
   }
 
   // The decode-step kernel's parameters and scratch (decode_steps.cuh).

@@ -15,7 +15,8 @@
 //   2 * CTA (first) and 2 * CTA + 1 (last), so the host sizes the records by the grid alone.
 //   The CTA holding a tile's first stage tells its tokens' rows where their records are
 //   (row_pieces); CombineKernel merges them, and writes zeros to rows no tile holds (padding,
-//   sequences with q_len > kv_len, decode steps left to the decode-step kernel).
+//   sequences with q_len > kv_len), but not to the decode steps left to the decode-step
+//   kernel (gpu_share.cuh marks their rows), which runs beside the tiled kernel.
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_TILED_BATCH_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_TILED_BATCH_CUH_
 
@@ -35,7 +36,8 @@ constexpr int kCombineWarps = 8;
 
 struct Params : BatchParams {
   // Per query token: {first record, pieces, the tile's first token, 0}; pieces 1: written
-  // directly; all zero (the host clears them): no tile holds the token.
+  // directly; pieces -1: a decode step, which the decode-step kernel writes; all zero (the
+  // host clears them): nobody writes the token's rows.
   int4* row_pieces;
   // Records [num_kv_heads, num_records, tile_rows] (partial_out: x head_dim): a piece's
   // running max (in log2 units), sum and unnormalised output per row.
@@ -44,9 +46,10 @@ struct Params : BatchParams {
   float* partial_sum;
   int num_records;  // per kv head: 2 * gridDim.x
   int tile_rows;
-  int tile_tokens;  // tile_rows / group_size
+  int tile_tokens;   // tile_rows / group_size
+  int stage_tokens;  // the kernel's stage (for the decode-step kernel's share of the GPU)
   // Sequences with one query row are left to the decode-step kernel (decode_steps.cuh), which
-  // runs after the tiled kernel and its combine (which writes zeros to their rows meanwhile).
+  // runs beside the tiled kernel, each on its share of the SMs (gpu_share.cuh).
   bool decode_steps_elsewhere;
 };
 
@@ -70,14 +73,14 @@ __device__ __forceinline__ int TilesOf(const Params& p, const Sequence& s) {
   return (s.q_len + p.tile_tokens - 1) / p.tile_tokens;
 }
 
-// A sequence's j-th tile in walk order: its tiles from both ends in turn (0, last, 1, last - 1,
-// ...). Under a causal mask a tile's stages grow with its index while what a tile costs beyond
+// A sequence's j-th tile in walk order, in stages of stage_tokens positions (the kernel's
+// constant): its tiles from both ends in turn (0, last, 1, last - 1, ...). Under a causal mask a tile's stages grow with its index while what a tile costs beyond
 // its stages (loading its queries, writing its rows, its masked last stage) does not: in index
 // order, the CTAs given a sequence's first tiles took longest (on prefill 4 x 2048 the SMs were
 // active 81% of the kernel's time); in this order a range of units holds about as many tiles
 // wherever it lies (95%, and 413 -> 349 us on the wgmma kernel).
-template <int kStageTokens>
-__device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j) {
+__device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j,
+                                       int stage_tokens) {
   const int tile = j % 2 == 0 ? j / 2 : TilesOf(p, s) - 1 - j / 2;
   Tile t;
   t.first_token = tile * p.tile_tokens;
@@ -85,17 +88,17 @@ __device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j
   t.first_pos = s.kv_len - s.q_len + t.first_token;
   const int end = t.first_pos + t.tokens;  // past the last token's position
   const int begin = p.sliding_window > 0 ? max(0, t.first_pos - p.sliding_window + 1) : 0;
-  t.first_stage = begin / kStageTokens;
-  t.stages = (end + kStageTokens - 1) / kStageTokens - t.first_stage;
+  t.first_stage = begin / stage_tokens;
+  t.stages = (end + stage_tokens - 1) / stage_tokens - t.first_stage;
   return t;
 }
 
-template <int kStageTokens>
-__device__ __forceinline__ int UnitsOf(const Params& p, const OwnedRows& rows, int seq) {
+__device__ __forceinline__ int UnitsOf(const Params& p, const OwnedRows& rows, int seq,
+                                       int stage_tokens) {
   const Sequence s = TiledSequence(p, rows, seq);
   int units = 0;
   for (int j = 0, tiles = TilesOf(p, s); j < tiles; ++j) {
-    units += TileOf<kStageTokens>(p, s, j).stages;
+    units += TileOf(p, s, j, stage_tokens).stages;
   }
   return units;
 }
@@ -118,11 +121,11 @@ struct UnitWalk {
     seq = first_seq;
     s = TiledSequence(p, rows, seq);
     tile = 0;
-    t = TileOf<kStageTokens>(p, s, 0);
+    t = TileOf(p, s, 0, kStageTokens);
     tile_begin = seq_begin;
     while (unit >= tile_begin + t.stages) {
       tile_begin += t.stages;
-      t = TileOf<kStageTokens>(p, s, ++tile);
+      t = TileOf(p, s, ++tile, kStageTokens);
     }
     stage = unit - tile_begin;
   }
@@ -133,14 +136,14 @@ struct UnitWalk {
     stage = 0;
     tile_begin += t.stages;
     if (++tile < TilesOf(p, s)) {
-      t = TileOf<kStageTokens>(p, s, tile);
+      t = TileOf(p, s, tile, kStageTokens);
       return;
     }
     do {
       s = TiledSequence(p, rows, ++seq);
     } while (s.q_len == 0);
     tile = 0;
-    t = TileOf<kStageTokens>(p, s, 0);
+    t = TileOf(p, s, 0, kStageTokens);
   }
 
   __device__ int FirstPosition() const { return (t.first_stage + stage) * kStageTokens; }
@@ -169,7 +172,7 @@ __device__ __forceinline__ int64_t RecordRow(const Params& p, const cuda::balanc
   return (static_cast<int64_t>(blockIdx.y) * p.num_records + record) * p.tile_rows + row;
 }
 
-// The rows (token, query head): a token no tile holds gets zeros; one whose tile was split gets
+// The rows (token, query head): a token nobody writes gets zeros; one whose tile was split gets
 // out = v_scale * sum_i w_i o_i / sum_i w_i l_i over its pieces' records i,
 // w_i = 2^(m_i - max_i m_i) (maxima in log2 units; a piece that saw nothing has m_i = -inf:
 // weight 0). A grid of at most what the GPU holds at once: warp w of W takes rows w, w + W,
@@ -191,7 +194,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(Params p) {
        first += 32 * warps) {
     const int64_t lane_row = first + lane * warps;
     const int lane_pieces = lane_row < rows ? p.row_pieces[lane_row / p.num_q_heads].y : 1;
-    if (lane_pieces == 0) {
+    if (lane_pieces == 0) {  // (-1: a decode step's row, the decode-step kernel's)
       uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + lane_row * kHeadDim);
 #pragma unroll
       for (int i = 0; i < kHeadDim * static_cast<int>(sizeof(T)) / 16; ++i) {

@@ -1,0 +1,100 @@
+// The tiled kernel (the sequences with more than one query row) and the decode-step kernel (the
+// rest) run at the same time, each on its share of the SMs: a mixed batch's chunks are
+// arithmetic and its decode steps stream the cache, and one after the other they added up (on
+// 4 chunks of 256 + 60 decodes x 1024, 46 then 98 us: bench/results/h100-ragged-trace.txt).
+// - The decode-step kernel is launched programmatically behind the tiled kernel, which lets it
+//   launch as soon as every tiled CTA has started. It reads nothing the tiled kernel writes,
+//   and every CTA of it waits for the tiled grid before exiting, so the kernels behind it (the
+//   combines, which wait for their previous grid) start after both.
+// - Every CTA of both kernels makes the same split from the batch on the device: its tiled
+//   units and decode-step units, times what each costs an SM (GpuShare, the host's estimates).
+//   A kernel's work goes to its first CTAs (balanced_split.cuh); the others exit at once,
+//   which frees their SMs for the other kernel's.
+// - The split: with T and D the two kernels' SM times and the decode steps streaming r times
+//   faster per SM than while every SM streams (fewer SMs share the bandwidth), the tiled kernel
+//   gets the part r T / (r T + D) of the SMs, which makes the two times equal. r is
+//   kDecodeSpeedupPercent / 100: on the H100 the decode kernel on 68 of the 132 SMs, beside
+//   the tiled kernel on the rest, streamed 1.4 times faster per SM.
+#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
+#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
+
+#include "kernels/common/balanced_split.cuh"
+#include "kernels/paged_attention/attend_tensor_core.cuh"
+#include "kernels/ragged_paged_attention/batch_params.cuh"
+#include "kernels/ragged_paged_attention/tiled_batch.cuh"
+
+#ifndef XLA_EXT_RAGGED_DECODE_SPEEDUP_PERCENT  // a build-time knob, for A/B builds
+#define XLA_EXT_RAGGED_DECODE_SPEEDUP_PERCENT 150
+#endif
+
+namespace xla_ext::ragged_paged_attention {
+
+constexpr int kDecodeSpeedupPercent = XLA_EXT_RAGGED_DECODE_SPEEDUP_PERCENT;
+static_assert(kDecodeSpeedupPercent >= 100, "an SM streams at least its share");
+
+// Active CTAs along each grid's x.
+struct SmSplit {
+  int tiled_ctas;
+  int decode_ctas;
+};
+
+// The split for a batch of `tiled_units` (per kv head) and `decode_units` (per kv-head group).
+// In doubles with no a * b + c (which the compiler may fuse in one kernel and not the other):
+// both kernels must get the same numbers.
+__device__ __forceinline__ SmSplit SplitSms(const GpuShare& g, int num_kv_heads, int tiled_units,
+                                            int decode_units) {
+  if (decode_units == 0 || g.decode_workers == 0) return {g.tiled_workers, 0};
+  if (tiled_units == 0) return {0, g.decode_workers};
+  // r T and D.
+  const double tiled = static_cast<double>(tiled_units) * num_kv_heads * g.tiled_unit_ns *
+                       (kDecodeSpeedupPercent / 100.0);
+  const double decode = static_cast<double>(decode_units) * g.decode_groups * g.decode_unit_ns;
+  const double part = 1.0 / (decode / tiled + 1.0);
+  const double tiled_ctas = ceil(part * g.sms * g.tiled_ctas_per_sm / num_kv_heads);
+  SmSplit split;
+  split.tiled_ctas = static_cast<int>(fmin(fmax(tiled_ctas, 1.0), g.tiled_workers));
+  const int tiled_sms =
+      (split.tiled_ctas * num_kv_heads + g.tiled_ctas_per_sm - 1) / g.tiled_ctas_per_sm;
+  split.decode_ctas =
+      min(max((g.sms - tiled_sms) * g.decode_ctas_per_sm / g.decode_groups, 1), g.decode_workers);
+  return split;
+}
+
+// The decode-step kernel's units of sequence `seq` (decode_steps.cuh: a sequence with one query
+// row, in the decode kernel's stages).
+__device__ __forceinline__ int DecodeStepUnits(const BatchParams& p, const OwnedRows& rows,
+                                               int seq) {
+  const Sequence s = ReadSequence(p, rows, seq);
+  return s.q_len == 1 ? paged_attention::tensor_core::UnitsOf(p.sliding_window, s.kv_len) : 0;
+}
+
+// A tiled kernel's range of units (every thread of the CTA calls it). With the decode steps
+// elsewhere, CTA (0, 0) also marks their rows for the combine (row_pieces), and the units go
+// to the tiled kernel's share of the CTAs.
+template <int kStageTokens>
+__device__ cuda::balanced::Range LocateTiledRange(const tiled::Params& p, const OwnedRows& rows,
+                                                  int num_seqs, int* scratch) {
+  if (p.decode_steps_elsewhere && blockIdx.x == 0 && blockIdx.y == 0) {
+    for (int i = threadIdx.x; i < num_seqs; i += blockDim.x) {
+      const Sequence s = ReadSequence(p, rows, i);
+      if (s.q_len == 1) p.row_pieces[s.q_start] = make_int4(0, -1, 0, 0);
+    }
+  }
+  return cuda::balanced::LocateRange(
+      num_seqs, tiled::kMinCtaStages,
+      [&](int seq) { return tiled::UnitsOf(p, rows, seq, kStageTokens); }, scratch,
+      [&](int units) {
+        if (!p.decode_steps_elsewhere) return static_cast<int>(gridDim.x);
+        if (units == 0) return 1;  // nothing to split (the decode kernel gets every SM)
+        int local = 0;
+        for (int i = threadIdx.x; i < num_seqs; i += blockDim.x) {
+          local += DecodeStepUnits(p, rows, i);
+        }
+        return SplitSms(p.share, p.num_kv_heads, units, cuda::balanced::BlockSum(local, scratch))
+            .tiled_ctas;
+      });
+}
+
+}  // namespace xla_ext::ragged_paged_attention
+
+#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
