@@ -9,7 +9,8 @@
 namespace xla_ext::ragged_paged_attention {
 
 // How the tiled kernel and the decode-step kernel, which run at the same time, share the SMs
-// (gpu_share.cuh): their grids, and what a unit of each costs an SM.
+// (gpu_share.cuh): their grids, and what a unit of each costs an SM. (In tiled::Params, which
+// both kernels get.)
 struct GpuShare {
   int sms;
   int tiled_workers;       // the tiled grid's CTAs per kv head (its gridDim.x)
@@ -44,7 +45,6 @@ struct BatchParams {
   float v_scale;
   float mask_value;
   bool visit_masked;  // mask_value > kNegligibleMaskValue: masked positions are visited
-  GpuShare share;
 };
 
 // A sequence as the tensor-core and decode-step kernels use it: entries clamped into range

@@ -20,8 +20,8 @@
 namespace xla_ext::ragged_paged_attention {
 
 // Sequence i of the decode kernel's batch is sequence i of the ragged batch; it has tokens to
-// attend only if it is a decode step (q_len 1 after the clamps of ReadSequence, the same test
-// by which the ragged tensor-core kernel leaves it out), and its row is its query token.
+// attend only if it is a decode step (gpu_share.cuh's DecodeStepOf), and its row is its query
+// token.
 // It runs beside the tiled kernel: it reads global memory before that grid ends, and on its
 // share of the SMs.
 struct DecodeSteps {
@@ -31,8 +31,7 @@ struct DecodeSteps {
   __device__ Sequence StepOf(int seq) const {
     const int num_seqs = NumSeqs(batch);
     if (seq >= num_seqs) return {0, 0, 0};
-    const Sequence s = ReadSequence(batch, OwnedRowsOf(batch, num_seqs), seq);
-    return s.q_len == 1 ? s : Sequence{0, 0, 0};
+    return DecodeStepOf(batch, OwnedRowsOf(batch, num_seqs), seq);
   }
   __device__ int Length(const paged_attention::Params&, int seq) const {
     return StepOf(seq).kv_len;

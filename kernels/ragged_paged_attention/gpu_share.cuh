@@ -60,12 +60,20 @@ __device__ __forceinline__ SmSplit SplitSms(const GpuShare& g, int num_kv_heads,
   return split;
 }
 
-// The decode-step kernel's units of sequence `seq` (decode_steps.cuh: a sequence with one query
-// row, in the decode kernel's stages).
+// Sequence `seq` (< num_seqs) if it is a decode step, which the decode-step kernel takes (one
+// query row after the clamps of ReadSequence; tiled::TiledSequence leaves it out), else an
+// empty one.
+__device__ __forceinline__ Sequence DecodeStepOf(const BatchParams& p, const OwnedRows& rows,
+                                                 int seq) {
+  const Sequence s = ReadSequence(p, rows, seq);
+  return s.q_len == 1 ? s : Sequence{0, 0, 0};
+}
+
+// The decode-step kernel's units of sequence `seq` (< num_seqs), in its stages.
 __device__ __forceinline__ int DecodeStepUnits(const BatchParams& p, const OwnedRows& rows,
                                                int seq) {
-  const Sequence s = ReadSequence(p, rows, seq);
-  return s.q_len == 1 ? paged_attention::tensor_core::UnitsOf(p.sliding_window, s.kv_len) : 0;
+  return paged_attention::tensor_core::UnitsOf(p.sliding_window,
+                                               DecodeStepOf(p, rows, seq).kv_len);
 }
 
 // A tiled kernel's range of units (every thread of the CTA calls it). With the decode steps
@@ -76,7 +84,7 @@ __device__ cuda::balanced::Range LocateTiledRange(const tiled::Params& p, const 
                                                   int num_seqs, int* scratch) {
   if (p.decode_steps_elsewhere && blockIdx.x == 0 && blockIdx.y == 0) {
     for (int i = threadIdx.x; i < num_seqs; i += blockDim.x) {
-      const Sequence s = ReadSequence(p, rows, i);
+      const Sequence s = DecodeStepOf(p, rows, i);
       if (s.q_len == 1) p.row_pieces[s.q_start] = make_int4(0, -1, 0, 0);
     }
   }

@@ -167,8 +167,9 @@ struct Kernels {
         paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{tp},
                                                           *decode_plan, call.stream);
       }
-      // After both (it waits for the previous grid, which ends after the tiled one). Its warps stride over the rows (tiled::CombineKernel): a warp per row, in a grid no
-      // larger than the GPU holds at once.
+      // After both: it waits for the previous grid (the decode steps' combine, or the tiled
+      // kernel), which ends after the tiled one. Its warps stride over the rows
+      // (tiled::CombineKernel), in a grid no larger than the GPU holds at once.
       const int64_t rows = s.num_tokens * s.num_q_heads;
       const int combine_ctas_per_sm = std::max(
           1, cuda::CtasPerSm(reinterpret_cast<const void*>(&tiled::CombineKernel<T, kHeadDim>),

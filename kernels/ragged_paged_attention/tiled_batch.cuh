@@ -51,6 +51,7 @@ struct Params : BatchParams {
   // Sequences with one query row are left to the decode-step kernel (decode_steps.cuh), which
   // runs beside the tiled kernel, each on its share of the SMs (gpu_share.cuh).
   bool decode_steps_elsewhere;
+  GpuShare share;
 };
 
 // A sequence the tiled kernel attends: none of its rows when the decode-step kernel takes it.
@@ -74,11 +75,12 @@ __device__ __forceinline__ int TilesOf(const Params& p, const Sequence& s) {
 }
 
 // A sequence's j-th tile in walk order, in stages of stage_tokens positions (the kernel's
-// constant): its tiles from both ends in turn (0, last, 1, last - 1, ...). Under a causal mask a tile's stages grow with its index while what a tile costs beyond
-// its stages (loading its queries, writing its rows, its masked last stage) does not: in index
-// order, the CTAs given a sequence's first tiles took longest (on prefill 4 x 2048 the SMs were
-// active 81% of the kernel's time); in this order a range of units holds about as many tiles
-// wherever it lies (95%, and 413 -> 349 us on the wgmma kernel).
+// constant): its tiles from both ends in turn (0, last, 1, last - 1, ...). Under a causal mask
+// a tile's stages grow with its index while what a tile costs beyond its stages (loading its
+// queries, writing its rows, its masked last stage) does not: in index order, the CTAs given
+// a sequence's first tiles took longest (on prefill 4 x 2048 the SMs were active 81% of the
+// kernel's time); in this order a range of units holds about as many tiles wherever it lies
+// (95%, and 413 -> 349 us on the wgmma kernel).
 __device__ __forceinline__ Tile TileOf(const Params& p, const Sequence& s, int j,
                                        int stage_tokens) {
   const int tile = j % 2 == 0 ? j / 2 : TilesOf(p, s) - 1 - j / 2;
