@@ -20,3 +20,30 @@ def gpu_events(run):
         raise RuntimeError(f"torch.profiler's trace holds {len(events)} host events and none "
                            "on a GPU (is CUPTI available to it?)")
     return on_gpus
+
+
+def print_graph_timeline(call, calls, label):
+    """Captures `calls` calls of call() in a CUDA graph, replays it once under the trace and
+    prints every GPU event's start and end (µs from the first start): the calls back to back
+    with no host gaps, as a compiled XLA chain runs them. Programmatically launched kernels
+    start early and wait on the GPU, so their durations include that wait; read the ends."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    events = sorted(gpu_events(replay), key=lambda e: e.time_range.start)
+    origin = events[0].time_range.start
+    print(f"{label}: {calls} calls in a CUDA graph, {len(events)} GPU events, first start to "
+          f"last end {max(e.time_range.end for e in events) - origin:.1f} us")
+    for e in events:
+        print(f"  start {e.time_range.start - origin:8.1f}  end {e.time_range.end - origin:8.1f}"
+              f"  {e.name[:90]}")

@@ -5,10 +5,10 @@ torch (CUDA tensors), for a profiler:
         python3 bench/profile_ragged_attention.py --mix "decode 64 x 2048"
 
 Four calls; each launches the attention kernel and its combine kernel
-(`tools/device/run.sh ncu_ragged` profiles the third call's). With --trace, a fifth call runs
-under torch.profiler's CUPTI trace (bench/gpu_trace.py) and its GPU work is printed in order:
-what each kernel, memset and copy of one call takes on the GPU. (The gaps between them are the
-eager torch op's host time, which a compiled XLA graph does not have.)"""
+(`tools/device/run.sh ncu_ragged` profiles the third call's). With --trace, three more calls
+are captured in a CUDA graph and replayed under torch.profiler's CUPTI trace
+(bench/gpu_trace.py): each kernel's, memset's and copy's start and end on the GPU, with no host
+gaps between the calls."""
 
 import argparse
 import os
@@ -25,7 +25,7 @@ mixes = {name: (q_lens, kv_lens) for name, q_lens, kv_lens in MIXES}
 parser = argparse.ArgumentParser()
 parser.add_argument("--mix", required=True, help="a mix name of ragged_bench.MIXES")
 parser.add_argument("--trace", action="store_true",
-                    help="print the GPU work of one more call (CUPTI, through torch.profiler)")
+                    help="print the GPU timeline of three calls replayed in a CUDA graph (CUPTI)")
 args = parser.parse_args()
 if args.mix not in mixes:
     parser.error(f"--mix: expected one of {sorted(mixes)}, got {args.mix!r}")
@@ -36,14 +36,7 @@ for _ in range(4):
     torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=SCALE)
 torch.cuda.synchronize()
 if args.trace:
-    from gpu_trace import gpu_events
+    from gpu_trace import print_graph_timeline
 
-    def call():
-        torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=SCALE)
-        torch.cuda.synchronize()
-
-    events = sorted(gpu_events(call), key=lambda e: e.time_range.start)
-    print(f"{args.mix}: {len(events)} GPU events, first start to last end "
-          f"{events[-1].time_range.end - events[0].time_range.start:.1f} us")
-    for e in events:
-        print(f"  {e.time_range.elapsed_us():9.1f} us  {e.name[:100]}")
+    print_graph_timeline(
+        lambda: torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=SCALE), 3, args.mix)

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
@@ -273,12 +274,24 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 
 // Launches the combine of `rows` (sequence, head) rows, each with up to about
 // `records_per_row` records, behind the attention kernel on `stream` (it waits for it on the
-// GPU).
+// GPU). Where one wave of the GPU holds more warps than those rows need, a row gets more
+// warps: the records per row are an average, and a long sequence beside short ones has many
+// times more (on the H100, one of 32 rows of 1 x 32768 + 31 x 512 had 89 records for its one
+// warp, six round trips of 16: bench/results/h100-combine-wave-ab.txt).
 template <typename T, int kHeadSize, typename Batch>
 void LaunchCombine(const Params& p, const Batch& batch, int64_t records_per_row, int64_t rows,
                    cudaStream_t stream) {
-  const int warps_per_row =
+  int warps_per_row =
       CombineWarpsPerRow(static_cast<int>(records_per_row), CombineChunk<kHeadSize>());
+  if (const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo()) {
+    const void* kernel = reinterpret_cast<const void*>(
+        &CombinePartitionsKernel<T, kHeadSize, Batch>);
+    const int64_t resident_warps = int64_t{device->sms} * kCombineWarps *
+                                   cuda::CtasPerSm(kernel, *device, kCombineWarps * 32, 0);
+    while (warps_per_row < kCombineWarps && rows * warps_per_row * 2 <= resident_warps) {
+      warps_per_row *= 2;
+    }
+  }
   cuda::LaunchProgrammatic(CombinePartitionsKernel<T, kHeadSize, Batch>,
                            dim3(cuda::CeilDiv(rows, kCombineWarps / warps_per_row)),
                            dim3(kCombineWarps * 32), 0, stream, p, batch, warps_per_row, rows);

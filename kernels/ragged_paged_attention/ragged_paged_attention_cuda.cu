@@ -17,6 +17,7 @@
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
+#include "kernels/common/zero_fill.cuh"
 #include "kernels/paged_attention/attend_tensor_core.cuh"
 #include "kernels/paged_attention/split_kv.cuh"
 #include "kernels/ragged_paged_attention/attend_simt.cuh"
@@ -155,10 +156,11 @@ struct Kernels {
       tp.partial_max = partials.max;
       tp.partial_sum = partials.sum;
 
-      if (cudaMemsetAsync(tp.row_pieces, 0, s.num_tokens * sizeof(int4), call.stream) !=
-          cudaSuccess) {
-        return cuda::LastLaunchError(kTarget);
-      }
+      // The tiled kernel is an ordinary launch: it, and the decode-step kernel behind it, start
+      // after the zeros.
+      cuda::LaunchZeroFill(reinterpret_cast<int*>(tp.row_pieces),
+                           s.num_tokens * static_cast<int64_t>(sizeof(int4) / sizeof(int)),
+                           call.stream);
       kernel.attend<<<dim3(static_cast<unsigned>(kernel.workers),
                            static_cast<unsigned>(s.num_kv_heads)),
                       kernel.threads, kernel.shared_bytes, call.stream>>>(tp);
