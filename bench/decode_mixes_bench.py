@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_bench  # noqa: E402
+from gpu_trace import captured_graph  # noqa: E402
 
 import torch_xla_ext  # noqa: E402,F401  (registers torch.ops.xla_ext.*)
 from torch_xla_ext import sample_inputs  # noqa: E402
@@ -91,18 +92,7 @@ def xla_seconds(data, reps, head_size):
 
 def graph_seconds(fn, reps):
     """GPU time per call: CUDA-graph replay of CHAIN calls of fn."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CHAIN):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured_graph(fn, CHAIN)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

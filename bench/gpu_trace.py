@@ -22,19 +22,34 @@ def gpu_events(run):
     return on_gpus
 
 
-def print_graph_timeline(call, calls, label):
-    """Captures `calls` calls of call() in a CUDA graph, replays it once under the trace and
-    prints every GPU event's start and end (µs from the first start): the calls back to back
-    with no host gaps, as a compiled XLA chain runs them. Programmatically launched kernels
-    start early and wait on the GPU, so their durations include that wait; read the ends."""
+def captured_graph(call, calls):
+    """`calls` calls of call() captured in a CUDA graph (after warm-up calls on a side stream,
+    which capture requires), replayed once and finished."""
     import torch
 
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             call()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def print_graph_timeline(call, calls, label):
+    """Replays `calls` calls of call(), captured in a CUDA graph, once under the trace and
+    prints every GPU event's start and end (µs from the first start): the calls back to back
+    with no host gaps, as a compiled XLA chain runs them. Programmatically launched kernels
+    start early and wait on the GPU, so their durations include that wait; read the ends."""
+    import torch
+
+    graph = captured_graph(call, calls)
 
     def replay():
         graph.replay()
