@@ -9,8 +9,10 @@ has D=64). Each mix (MIXES) is timed as:
                    of a 40-call and a 20-call chain, so the executable's launch cancels);
   torch_graph      ours through torch.ops.xla_ext.paged_attention on CUDA tensors, CUDA-graph
                    replay of 20 calls (GPU time per call);
-  torch_eager      the same 20 calls launched eagerly (CUDA events), and host_us: the host's
-                   time per eager call (submission only, the GPU runs behind it);
+  torch_eager      the same 20 calls launched eagerly (CUDA events), host_us: the host's
+                   time per eager call (submission only, the GPU runs behind it), and
+                   eager_minus_graph_us: what eager launching adds per call to the graph's
+                   time (the host time the GPU could not hide);
   uniform_xla_ext  ours through XLA on the uniform batch with the same number of sequences and
                    the same total tokens (the target: no mix slower than 1.15x of it);
   flashinfer_cuda_core, flashinfer_tensor_core   FlashInfer 0.2.14's BatchDecodeWithPagedKV-
@@ -173,10 +175,12 @@ def mix_rows(mix, lengths, heads, kv_heads, head_size, reps, copy, with_flashinf
     call = lambda: torch.ops.xla_ext.paged_attention(*args)  # noqa: E731
     torch_out = call().float()
     diff_xla = float((torch_out.cpu() - torch.from_numpy(xla_out)).abs().max())
-    rows.append(row(mix, "torch_graph", graph_seconds(call, reps), nbytes, copy,
+    in_graph = graph_seconds(call, reps)
+    rows.append(row(mix, "torch_graph", in_graph, nbytes, copy,
                     max_abs_diff_vs_xla_ext=diff_xla))
     gpu, host = eager_seconds(call, reps)
-    rows.append(row(mix, "torch_eager", gpu, nbytes, copy, host_us=round(host * 1e6, 2)))
+    rows.append(row(mix, "torch_eager", gpu, nbytes, copy, host_us=round(host * 1e6, 2),
+                    eager_minus_graph_us=round((gpu - in_graph) * 1e6, 2)))
 
     if with_flashinfer:
         try:

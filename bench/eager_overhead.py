@@ -1,6 +1,6 @@
 """Host time per call of the torch ops on CPU or CUDA tensors (the eager path: torch.library
-dispatch, the shape checks and the packing of the handler call, once per signature of shapes,
-dtypes and scalar arguments, and csrc/eager_runtime.cc), on inputs so small that the kernels
+dispatch into csrc/torch_ops.cc's C++ kernel, which runs a kept call per signature of shapes,
+dtypes and scalar arguments through csrc/eager_runtime.cc), on inputs so small that the kernels
 cost next to nothing.
 
     python bench/eager_overhead.py --device cpu --out bench/results/cpu-eager-overhead.json

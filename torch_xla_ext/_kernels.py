@@ -27,7 +27,10 @@ def _lib_dir():
 
 LIB_DIR = _lib_dir()
 BUILTIN_LIBRARY = os.path.join(LIB_DIR, _KERNELS_SO)
-def _not_built_error():
+
+
+def not_built_error(path):
+    """The error for one of the package's shared objects (`path`) that is missing."""
     if os.path.exists(os.path.join(_CHECKOUT_DIR, "WORKSPACE")):
         how = ("This is a source checkout: build the libraries with `bazel build "
                "//torch_xla_ext/lib` (`./dev.sh demo` and `./dev.sh test` do), or with "
@@ -36,7 +39,7 @@ def _not_built_error():
     else:
         how = ("The installation is incomplete: reinstall the torch_xla_ext wheel "
                "(`pip install --force-reinstall torch_xla_ext-*.whl`).")
-    return TorchXlaExtError(f"torch_xla_ext's kernel library {BUILTIN_LIBRARY} does not exist. "
+    return TorchXlaExtError(f"torch_xla_ext's library {path} does not exist. "
                             + how)
 
 
@@ -107,7 +110,7 @@ def builtin_library():
     with _builtin_lock:
         if _builtin is None:
             if not os.path.exists(BUILTIN_LIBRARY):
-                raise _not_built_error()
+                raise not_built_error(BUILTIN_LIBRARY)
             _builtin = KernelLibrary(BUILTIN_LIBRARY)
         return _builtin
 

@@ -1,183 +1,104 @@
-"""Runs a registered handler directly on torch CPU or CUDA tensors (csrc/eager_runtime.cc).
+"""The CPU and CUDA kernels of the torch ops: csrc/torch_ops.cc runs an op's registered
+handler on torch tensors.
 
 CUDA handlers run on torch's current stream and take scratch memory from torch's caching
-allocator, so they order and share memory with the surrounding torch code.
+allocator, so they order and share memory with the surrounding torch code. What depends only
+on the arguments' shapes, dtypes, devices and scalar values is worked out here once (`describe`:
+the checks, the result shapes, the handler's attributes) and kept by the C++ kernel, which
+runs later calls of the same signature without Python.
 """
 
-import ctypes
 import functools
+import importlib.machinery
+import importlib.util
 import os
-import threading
 
-import numpy as np
 import torch
 
 from torch_xla_ext import _kernels, binders, dtypes
 from torch_xla_ext.errors import TorchXlaExtError
 
-# Scalar attribute types the runtime passes, by the dtype table's names.
-_ATTR_CTYPES = {"float32": ctypes.c_float, "float64": ctypes.c_double, "int32": ctypes.c_int32,
-                "int64": ctypes.c_int64, "bool": ctypes.c_bool}
 _PLATFORMS = {"cpu": "Host", "cuda": "CUDA"}
-
-
-class _Attr(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("dtype", ctypes.c_int32), ("value", ctypes.c_void_p),
-                ("size", ctypes.c_size_t)]
-
-
-_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_MODULE = "libxla_ext_torch"
 
 
 @functools.lru_cache(maxsize=None)
-def _runtime():
-    dll = ctypes.CDLL(os.path.join(_kernels.LIB_DIR, "libxla_ext_eager.so"))
-    dll.xla_ext_eager_call.restype = ctypes.c_int
-    dll.xla_ext_eager_call.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.POINTER(_Attr), _ALLOC, _FREE, ctypes.c_void_p,
-        ctypes.c_char_p, ctypes.c_size_t]
-    return dll
-
-
-# What a call costs on the host is paid at every layer of every step, so the per-call work is
-# table lookups: handlers, dtype ids, attribute types and the allocator callbacks are found
-# once and kept.
-_HANDLERS = {}
+def _extension():
+    path = os.path.join(_kernels.LIB_DIR, _MODULE + ".so")
+    if not os.path.exists(path):
+        raise _kernels.not_built_error(path)
+    loader = importlib.machinery.ExtensionFileLoader(_MODULE, path)
+    spec = importlib.util.spec_from_file_location(_MODULE, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def _handler(target, platform):
-    handler = _HANDLERS.get((target, platform))
-    if handler is not None:
-        return handler
     for library in binders.libraries():
         for kernel in library.kernels:
             if kernel.target == target and kernel.platform == platform:
-                _HANDLERS[(target, platform)] = kernel.handler
                 return kernel.handler
     raise TorchXlaExtError(f"no {platform} handler is registered for target {target!r}")
 
 
-@functools.lru_cache(maxsize=None)
-def _ffi_id(dtype):
-    """The FFI DataType number of a torch dtype, or None if the table has none."""
-    entry = dtypes.lookup(dtype)
-    return None if entry is None else entry.ffi_id
+def _ffi_id(what, t):
+    entry = dtypes.lookup(t.dtype)
+    if entry is None:
+        raise TorchXlaExtError(f"{what}: dtype {t.dtype} is not supported")
+    return entry.ffi_id
 
 
-@functools.lru_cache(maxsize=None)
-def _scalar_type(numpy_type):
-    """(ctypes type, FFI DataType number) of a NumPy scalar type."""
-    name = dtypes.name(np.dtype(numpy_type))
-    return _ATTR_CTYPES[name], dtypes.DTYPES[name].ffi_id
+def _attribute(name, value):
+    """(name, FFI DataType or -1 for a string, value bytes) of an attribute."""
+    if isinstance(value, str):
+        return name, -1, value.encode()
+    return name, dtypes.DTYPES[dtypes.name(value.dtype)].ffi_id, value.tobytes()
 
 
-def _buffers(tensors, ids):
-    """The tensors as csrc/eager_runtime.cc takes them: one int64 array of (dtype, address,
-    rank, dims...) per tensor; and the index of each tensor's address in it."""
-    packed, address_slots = [], []
-    for t, ffi_id in zip(tensors, ids):
-        shape = t.shape
-        address_slots.append(len(packed) + 1)
-        packed += (ffi_id, t.data_ptr(), len(shape), *shape)
-    return (ctypes.c_int64 * len(packed))(*packed), address_slots
+def _describe(op, write_into_arguments, *values):
+    """Checks a call's arguments (in schema order) and says what the handler call is, as
+    csrc/torch_ops.cc's Parse reads it."""
+    args = dict(zip([name for name, *_ in op.arguments], values))
+    op.check(**args)
+    results = op.results(args)
+    tensors = [args[name] for name in op.operands if args[name] is not None]
+    device = tensors[0].device
+    platform = _PLATFORMS.get(device.type)
+    if platform is None:
+        raise TorchXlaExtError(f"tensors on {device} cannot run eagerly; expected cpu or cuda")
+    operands = []
+    for name in op.operands:
+        value = args[name]
+        if value is None:  # an optional argument: the handler takes an empty array
+            shape, dtype_name = op.absent[name]
+            value = torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
+            operands.append((-1, _ffi_id(f"argument '{name}'", value), value))
+            continue
+        if value.device != device:
+            raise TorchXlaExtError(f"{op.target}: argument '{name}': expected a tensor on "
+                                   f"{device}, got {value.device}")
+        operands.append((list(args).index(name), _ffi_id(f"argument '{name}'", value), None))
+    written = {}
+    for index, name in op.writes.items():
+        if write_into_arguments and not args[name].is_contiguous():
+            raise TorchXlaExtError(f"{op.target}: argument '{name}': expected a contiguous "
+                                   "tensor (it is written in place)")
+        written[index] = op.operands.index(name)
+    result_specs = []
+    for index, (shape, dtype) in enumerate(results):
+        entry = dtypes.lookup(dtype)
+        if entry is None:
+            raise TorchXlaExtError(f"{op.target}: result {index}: dtype {dtype} is not supported")
+        result_specs.append((list(shape), entry.ffi_id, written.get(index, -1)))
+    attributes = [_attribute(name, value) for name, value in op.attribute_values(args).items()]
+    return _handler(op.target, platform), operands, result_specs, attributes
 
 
-def _attrs(attrs, keep):
-    array = (_Attr * len(attrs))()
-    for i, name in enumerate(sorted(attrs)):  # XLA passes attributes sorted by name
-        value = attrs[name]
-        if isinstance(value, str):
-            data = value.encode()
-            keep.append(data)
-            array[i] = _Attr(name.encode(), -1, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p),
-                             len(data))
-        else:
-            ctype, ffi_id = _scalar_type(type(value))
-            scalar = ctype(value.item())
-            keep.append(scalar)
-            array[i] = _Attr(name.encode(), ffi_id, ctypes.addressof(scalar), 0)
-    return array
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_allocator(device):
-    """Scratch from torch's caching allocator, on the stream current when the handler asks."""
-
-    def alloc(_, size, alignment):  # the caching allocator's blocks are 512-byte aligned
-        if not size:
-            return None
-        return torch.cuda.caching_allocator_alloc(
-            size, device, torch.cuda.current_stream(device).cuda_stream)
-
-    def free(_, data, size):
-        if data:
-            torch.cuda.caching_allocator_delete(data)
-
-    return _ALLOC(alloc), _FREE(free)
-
-
-_NO_ALLOCATOR = (_ALLOC(), _FREE())
-_errors = threading.local()
-
-
-def _error_buffer():
-    buffer = getattr(_errors, "buffer", None)
-    if buffer is None:
-        buffer = _errors.buffer = ctypes.create_string_buffer(4096)
-    return buffer
-
-
-class PreparedCall:
-    """A handler call on tensors of given shapes, dtypes and device, checked and packed once:
-    each call then writes only the tensors' addresses (and, on CUDA, the current stream) into
-    the packed buffers. Not for use by two threads at once."""
-
-    def __init__(self, target, inputs, outputs, attrs=None):
-        """For `target`'s handler on the tensors' device. Every tensor must be contiguous and
-        on one device; attrs: {name: a NumPy scalar (float32, float64, int32, int64, bool) or
-        a str}."""
-        device = (inputs[0] if inputs else outputs[0]).device
-        ids = []
-        for what, group in (("inputs", inputs), ("outputs", outputs)):
-            for i, t in enumerate(group):
-                if t.device != device:
-                    raise TorchXlaExtError(
-                        f"{what}[{i}]: expected a tensor on {device}, got {t.device}")
-                if not t.is_contiguous():
-                    raise TorchXlaExtError(f"{what}[{i}]: expected a contiguous tensor")
-                ffi_id = _ffi_id(t.dtype)
-                if ffi_id is None:
-                    raise TorchXlaExtError(f"{what}[{i}]: dtype {t.dtype} is not supported")
-                ids.append(ffi_id)
-        platform = _PLATFORMS.get(device.type)
-        if platform is None:
-            raise TorchXlaExtError(f"tensors on {device} cannot run eagerly; expected cpu or cuda")
-        self._handler = _handler(target, platform)
-        self._num_inputs, self._num_outputs = len(inputs), len(outputs)
-        self._buffers, self._address_slots = _buffers(list(inputs) + list(outputs), ids)
-        self._keep = []
-        self._attrs = _attrs(attrs or {}, self._keep)
-        self._ordinal = None
-        self._alloc, self._free = _NO_ALLOCATOR
-        if platform == "CUDA":
-            self._ordinal = device.index if device.index is not None else torch.cuda.current_device()
-            self._alloc, self._free = _cuda_allocator(self._ordinal)
-
-    def __call__(self, inputs, outputs):
-        """Runs the handler on `inputs`, writing `outputs` in place: contiguous tensors of the
-        shapes, dtypes and device this call was prepared for."""
-        buffers = self._buffers
-        for slot, t in zip(self._address_slots, (*inputs, *outputs)):
-            buffers[slot] = t.data_ptr()
-        ordinal, stream = self._ordinal, None
-        if ordinal is not None:
-            stream = torch.cuda.current_stream(ordinal).cuda_stream
-        err = _error_buffer()
-        status = _runtime().xla_ext_eager_call(
-            self._handler, stream, ordinal or 0, self._num_inputs, self._num_outputs, buffers,
-            len(self._attrs), self._attrs, self._alloc, self._free, None, err, len(err))
-        if status != 0:
-            raise TorchXlaExtError(err.value.decode())
-
+def register(namespace, name, op, write_into_arguments):
+    """Makes `op`'s handlers the CPU and CUDA kernels of torch.ops.<namespace>.<name>: written
+    operands are updated in place when `write_into_arguments`, else copied first (the op is
+    functional)."""
+    _extension().register(namespace, name,
+                          functools.partial(_describe, op, write_into_arguments),
+                          TorchXlaExtError, write_into_arguments)

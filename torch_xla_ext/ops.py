@@ -7,13 +7,10 @@ new values instead: what it becomes under functionalization (torch_xla's lazy te
 custom call writing each new value into the old one's buffer (input/output aliasing).
 """
 
-import threading
-
 import torch
 
 from torch_xla_ext import eager
 from torch_xla_ext.custom_call import custom_call
-from torch_xla_ext.errors import TorchXlaExtError
 from torch_xla_ext.op_catalog import OPS
 
 _lib = torch.library.Library("xla_ext", "DEF")
@@ -27,81 +24,6 @@ def _empty(shape, dtype_name, like):
 def _results_like(op, args):
     return [torch.empty(shape, dtype=dtype, device=args[op.operands[0]].device)
             for shape, dtype in op.results(args)]
-
-
-# Eager calls repeat with the same shapes (every layer of every step), so what depends only on
-# the tensors' shapes, dtypes and device and on the other arguments (the checks, the result
-# shapes, the packed handler call) is kept, per thread, under those; a call that fails its
-# checks is not kept. Data is checked by the handlers at every call.
-_MAX_PREPARED_CALLS = 512
-_prepared = threading.local()
-
-
-def _signature(values):
-    """What the checks and the packed call depend on, hashable: a tensor by shape, dtype and
-    device (type and index: eager tensors are on the CPU or a GPU), anything else by type and
-    value (a float by its exact bits: -0.0 is not 0.0)."""
-    key = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            key.append((v.shape, v.dtype, v.is_cuda, v.get_device()))
-        elif isinstance(v, float):
-            key.append((float, v.hex()))
-        else:
-            key.append((type(v), v))
-    return tuple(key)
-
-
-def _prepared_call(op, args, write_into_arguments):
-    """(the kept eager.PreparedCall or None, the result shapes and dtypes or None, its key)."""
-    calls = getattr(_prepared, "calls", None)
-    if calls is None:
-        calls = _prepared.calls = {}
-    key = (op.name, write_into_arguments, _signature(args[name] for name, *_ in op.arguments))
-    try:
-        return (*calls.get(key, (None, None)), key)
-    except TypeError:  # an unhashable argument: nothing kept for it
-        return None, None, None
-
-
-def _keep_prepared_call(key, prepared, results):
-    if key is None:
-        return
-    calls = _prepared.calls
-    if len(calls) >= _MAX_PREPARED_CALLS:
-        calls.clear()
-    calls[key] = (prepared, results)
-
-
-def _run_eagerly(op, args, write_into_arguments):
-    """Checks the arguments and runs the handler on CPU/CUDA tensors. Written operands are
-    updated in place when `write_into_arguments`, else copied first (the op is functional)."""
-    prepared, results, key = _prepared_call(op, args, write_into_arguments)
-    if prepared is None:
-        op.check(**args)
-        results = op.results(args)
-    operands = [t.contiguous() for t in op.operand_values(args, _empty)]
-    outputs = []
-    for index, (shape, dtype) in enumerate(results):
-        if index in op.writes:
-            position = op.operands.index(op.writes[index])
-            if write_into_arguments:
-                target = args[op.writes[index]]
-                if not target.is_contiguous():
-                    raise TorchXlaExtError(f"{op.target}: argument '{op.writes[index]}': "
-                                           "expected a contiguous tensor (it is written in place)")
-            else:
-                target = operands[position].clone()
-            # The handler reads and writes the same buffer: XLA's aliasing, done by hand.
-            operands[position] = target
-            outputs.append(target)
-        else:
-            outputs.append(torch.empty(shape, dtype=dtype, device=operands[0].device))
-    if prepared is None:
-        prepared = eager.PreparedCall(op.target, operands, outputs, op.attribute_values(args))
-        _keep_prepared_call(key, prepared, results)
-    prepared(operands, outputs)
-    return outputs
 
 
 def check_known_values(op, args):
@@ -130,10 +52,7 @@ def _single(results):
 
 
 def _functional_impls(op):
-    """eager, XLA and fake implementations of a functional op (results returned)."""
-
-    def run_eagerly(*args, **kwargs):
-        return _single(_run_eagerly(op, op.bind(args, kwargs), write_into_arguments=False))
+    """XLA and fake implementations of a functional op (results returned)."""
 
     def run_on_xla(*args, **kwargs):
         a = op.bind(args, kwargs)
@@ -145,15 +64,15 @@ def _functional_impls(op):
         op.check(**a)
         return _single(_results_like(op, a))
 
-    return run_eagerly, run_on_xla, fake
+    return run_on_xla, fake
 
 
-def _register(lib, qualified, name, schema, eager_fn, xla_fn, fake_fn):
+def _register(lib, namespace, name, schema, op, write_into_arguments, xla_fn, fake_fn):
+    """Defines namespace::name; its CPU and CUDA kernels are csrc/torch_ops.cc's (eager.py)."""
     lib.define(name + schema)
-    for key in ("CPU", "CUDA"):
-        lib.impl(name, eager_fn, key)
+    eager.register(namespace, name, op, write_into_arguments)
     lib.impl(name, xla_fn, "XLA")
-    torch.library.register_fake(qualified, fake_fn, lib=lib)
+    torch.library.register_fake(f"{namespace}::{name}", fake_fn, lib=lib)
 
 
 def _functionalize_in_place(functional_op, args, written):
@@ -182,13 +101,10 @@ def _functionalize_in_place(functional_op, args, written):
 
 def _register_in_place(op):
     functional_name = op.name + "_functional"
-    _register(_lib, f"xla_ext::{functional_name}", functional_name, op.functional_schema,
+    _register(_lib, "xla_ext", functional_name, op.functional_schema, op, False,
               *_functional_impls(op))
     functional_op = getattr(torch.ops.xla_ext, functional_name)
     written = op.written_args()
-
-    def run_eagerly(*args, **kwargs):
-        _run_eagerly(op, op.bind(args, kwargs), write_into_arguments=True)
 
     def run_on_xla(*args, **kwargs):
         # Reached only with torch_xla's functionalization off (XLA_DISABLE_FUNCTIONALIZATION=1).
@@ -203,7 +119,7 @@ def _register_in_place(op):
     def functionalize(*args, **kwargs):
         _functionalize_in_place(functional_op, op.bind(args, kwargs), written)
 
-    _register(_lib, f"xla_ext::{op.name}", op.name, op.schema, run_eagerly, run_on_xla, fake)
+    _register(_lib, "xla_ext", op.name, op.schema, op, True, run_on_xla, fake)
     _lib.impl(op.name, functionalize, "Functionalize")
 
 
@@ -214,13 +130,13 @@ def _register_also_as(op):
     if hasattr(getattr(torch.ops, namespace), name):
         return
     lib = _other_libs.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
-    _register(lib, f"{namespace}::{name}", name, op.schema, *_functional_impls(op))
+    _register(lib, namespace, name, op.schema, op, False, *_functional_impls(op))
 
 
 for _op in OPS:
     if _op.in_place:
         _register_in_place(_op)
     else:
-        _register(_lib, f"xla_ext::{_op.name}", _op.name, _op.schema, *_functional_impls(_op))
+        _register(_lib, "xla_ext", _op.name, _op.schema, _op, False, *_functional_impls(_op))
     if _op.also_as:
         _register_also_as(_op)

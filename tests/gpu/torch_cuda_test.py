@@ -91,3 +91,56 @@ def test_ragged_paged_attention_on_cuda(dtype):
                                                    sm_scale=0.09, sliding_window=24)
     atol, rtol = sample_inputs.TOLERANCES[dtype]
     torch.testing.assert_close(got.cpu().double(), want, atol=atol, rtol=rtol)
+
+
+def test_calls_replayed_from_a_cuda_graph_read_their_new_inputs():
+    """A captured call keeps its scratch memory (split-KV partials, the ragged handler's work
+    lists) in the graph's private pool: each replay computes from the inputs' current values,
+    as an eager call of the same signature does."""
+    lengths = [1, 4000, 37, 2048]  # long sequences: the decode kernel splits them (scratch)
+    inputs = {k: v.cuda() for k, v in sample_inputs.paged_attention(
+        lengths, num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+        dtype=torch.bfloat16).items()}
+    ragged = {k: v.cuda() for k, v in sample_inputs.ragged_paged_attention(
+        [5, 1, 40, 3], [37, 900, 40, 3], num_q_heads=8, num_kv_heads=2, head_dim=128,
+        page_size=16, dtype=torch.bfloat16, max_num_seqs=6, padding_rows=2).items()}
+
+    def step():
+        return (torch.ops.xla_ext.paged_attention(**inputs, scale=0.088),
+                torch.ops.xla_ext.ragged_paged_attention(**ragged, sm_scale=0.09))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        inputs["query"].copy_(torch.randn(inputs["query"].shape, generator=generator,
+                                          device="cuda"))
+        ragged["q"].copy_(torch.randn(ragged["q"].shape, generator=generator, device="cuda"))
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want)
+        want_decode = reference.paged_attention_ref(**{k: v.cpu() for k, v in inputs.items()},
+                                                    scale=0.088)
+        atol, rtol = sample_inputs.TOLERANCES[torch.bfloat16]
+        torch.testing.assert_close(captured[0].cpu().double(), want_decode, atol=atol, rtol=rtol)
+
+
+def test_a_bad_argument_on_cuda_tensors_raises_and_leaves_the_cache_alone():
+    """A call whose arguments fail their checks raises the op's error (through the C++
+    kernel, which keeps nothing for it) and writes nothing."""
+    from torch_xla_ext import TorchXlaExtError
+
+    kc, vc = torch.zeros(4, 16, 2, 64, device="cuda"), torch.zeros(4, 16, 2, 64, device="cuda")
+    key, value = torch.randn(3, 2, 64, device="cuda"), torch.randn(3, 2, 64, device="cuda")
+    with pytest.raises(TorchXlaExtError, match="argument 'slot_mapping'"):
+        torch.ops.xla_ext.reshape_and_cache(key, value, kc, vc,
+                                            torch.tensor([0, 1], device="cuda"))
+    assert not kc.any() and not vc.any()

@@ -92,4 +92,4 @@ def test_kernel_library_errors_name_the_library(tmp_path):
         load_kernels(str(not_a_library))
     from torch_xla_ext import _kernels
     with pytest.raises(TorchXlaExtError, match="exports no xla_ext_kernel_table"):
-        load_kernels(_kernels.LIB_DIR + "/libxla_ext_eager.so")
+        load_kernels(_kernels.LIB_DIR + "/libxla_ext_binder.so")

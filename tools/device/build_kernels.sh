@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds torch_xla_ext/lib/libxla_ext_{kernels,binder,eager}.so with nvcc and g++ directly,
+# Builds torch_xla_ext/lib/libxla_ext_{kernels,binder,torch}.so with nvcc and g++ directly,
 # for machines without Bazel (the GPU machine). Same sources as torch_xla_ext/lib/BUILD.bazel,
-# nvcc flags from tools/cuda_flags.bzl (as Bazel's). Run from anywhere; objects go to
-# .devbuild/obj.
+# nvcc flags from tools/cuda_flags.bzl (as Bazel's); libxla_ext_torch.so against the torch of
+# `python3` (its headers and libraries). Run from anywhere; objects go to .devbuild/obj.
 #
 #   XLA_FFI_INCLUDE  directory holding xla/ffi/api/*.h (jaxlib 0.7.1's, FFI 0.1);
 #                    default .devbuild/ffi_include
@@ -40,7 +40,7 @@ compile() {  # source -> object, by extension
   case "$src" in
     *.cu) "$CUDA_HOME/bin/nvcc" "${NVCC_FLAGS[@]}" "${CUDA_ARCH_FLAGS[@]}" "${NVCC_EXTRA[@]}" \
             "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
-    *) g++ "${CXXFLAGS[@]}" "${INCLUDES[@]}" -c "$src" -o "$obj" ;;
+    *) g++ "${CXXFLAGS[@]}" "${INCLUDES[@]}" "${TORCH_INCLUDES[@]}" -c "$src" -o "$obj" ;;
   esac
 }
 
@@ -48,10 +48,15 @@ KERNEL_SRCS=(kernels/*/*.cu kernels/*/*_host.cc)
 # torch_xla_ext/csrc: one library per source, as in torch_xla_ext/lib/BUILD.bazel.
 declare -A CSRC_LIBRARY=(
   [torch_xla_ext/csrc/binder.cc]=libxla_ext_binder.so
-  [torch_xla_ext/csrc/eager_runtime.cc]=libxla_ext_eager.so
 )
+TORCH_SRCS=(torch_xla_ext/csrc/torch_ops.cc torch_xla_ext/csrc/eager_runtime.cc)
+read -r TORCH_DIR PYTHON_INCLUDE <<<"$(python3 -c "
+import os, sysconfig, torch
+print(os.path.dirname(torch.__file__), sysconfig.get_paths()['include'])")"
+TORCH_INCLUDES=(-isystem "$TORCH_DIR/include" -isystem "$TORCH_DIR/include/torch/csrc/api/include"
+                -isystem "$PYTHON_INCLUDE")
 pids=()
-for src in "${KERNEL_SRCS[@]}" "${!CSRC_LIBRARY[@]}"; do
+for src in "${KERNEL_SRCS[@]}" "${!CSRC_LIBRARY[@]}" "${TORCH_SRCS[@]}"; do
   while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done
   compile "$src" &
   pids+=($!)
@@ -66,4 +71,6 @@ g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_kernels.so $(objects "${KERNEL_
 for src in "${!CSRC_LIBRARY[@]}"; do
   g++ "${LINK[@]}" -o "torch_xla_ext/lib/${CSRC_LIBRARY[$src]}" $(objects "$src")
 done
+g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_torch.so $(objects "${TORCH_SRCS[@]}") \
+  -L "$TORCH_DIR/lib" -lc10 -lc10_cuda -ltorch_cpu -ltorch -ltorch_python
 ls -l torch_xla_ext/lib/*.so

@@ -1,33 +1,10 @@
-// A minimal XLA runtime for running one FFI handler on caller-owned memory: what lets the
-// torch.library CPU and CUDA implementations execute exactly the handlers XLA runs.
-//
-// It implements the parts of XLA_FFI_Api a handler's execute stage uses: errors, the stream
-// (the caller's, e.g. torch's current stream) and scratch memory (through the caller's
-// allocator, e.g. torch's caching allocator). The rest answers "unimplemented".
-#include <cstdint>
-#include <cstdio>
+// The XLA_FFI_Api of eager_runtime.h: a handler's execute stage outside XLA.
+#include "torch_xla_ext/csrc/eager_runtime.h"
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <string>
-#include <vector>
-
-#include "xla/ffi/api/c_api.h"
-
-extern "C" {
-
-// A scalar attribute (dtype is an XLA_FFI_DataType, value points at it) or, with dtype -1,
-// a string of `size` bytes.
-typedef struct XlaExtEagerAttr {
-  const char* name;
-  int32_t dtype;
-  const void* value;
-  size_t size;
-} XlaExtEagerAttr;
-
-typedef void* (*XlaExtAllocFn)(void* user, size_t size, size_t alignment);
-typedef void (*XlaExtFreeFn)(void* user, void* data, size_t size);
-
-}  // extern "C"
+#include <utility>
 
 struct XLA_FFI_Error {
   XLA_FFI_Error_Code code;
@@ -37,9 +14,7 @@ struct XLA_FFI_Error {
 struct XLA_FFI_ExecutionContext {
   void* stream;
   int32_t device_ordinal;
-  XlaExtAllocFn alloc;
-  XlaExtFreeFn free;
-  void* alloc_user;
+  xla_ext::eager::ScratchAllocator* scratch;
 };
 
 namespace {
@@ -82,8 +57,7 @@ XLA_FFI_Error* StateSet(XLA_FFI_State_Set_Args*) { return Unimplemented("state")
 XLA_FFI_Error* StateGet(XLA_FFI_State_Get_Args*) { return Unimplemented("state"); }
 
 XLA_FFI_Error* DeviceMemoryAllocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
-  const XLA_FFI_ExecutionContext* ctx = args->ctx;
-  args->data = ctx->alloc(ctx->alloc_user, args->size, args->alignment);
+  args->data = args->ctx->scratch->Allocate(args->size, args->alignment);
   if (args->data == nullptr && args->size > 0) {
     return MakeError(XLA_FFI_Error_Code_RESOURCE_EXHAUSTED,
                      "failed to allocate " + std::to_string(args->size) + " bytes of scratch");
@@ -92,7 +66,7 @@ XLA_FFI_Error* DeviceMemoryAllocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
 }
 
 XLA_FFI_Error* DeviceMemoryFree(XLA_FFI_DeviceMemory_Free_Args* args) {
-  args->ctx->free(args->ctx->alloc_user, args->data, args->size);
+  args->ctx->scratch->Free(args->data);
   return nullptr;
 }
 
@@ -144,70 +118,64 @@ const XLA_FFI_Api kEagerApi = {
     DeviceOrdinalGet,
 };
 
-void* HostAlloc(void*, size_t size, size_t alignment) {
-  alignment = alignment < sizeof(void*) ? sizeof(void*) : alignment;
+}  // namespace
+
+namespace xla_ext::eager {
+
+void* HostScratch::Allocate(size_t size, size_t alignment) {
+  alignment = std::max(alignment, sizeof(void*));
   void* data = nullptr;
   return posix_memalign(&data, alignment, size) == 0 ? data : nullptr;
 }
 
-void HostFree(void*, void* data, size_t) { std::free(data); }
+void HostScratch::Free(void* data) { std::free(data); }
 
-// Buffers packed as one int64 array, each as: XLA_FFI_DataType, data address, rank, dims
-// (one allocation for the caller per call, however many buffers). The dims stay in `packed`.
-std::vector<XLA_FFI_Buffer> Buffers(int count, const int64_t*& packed) {
-  std::vector<XLA_FFI_Buffer> out(count);
-  for (int i = 0; i < count; ++i) {
-    const int64_t rank = packed[2];
-    out[i] = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
-                            static_cast<XLA_FFI_DataType>(packed[0]),
-                            reinterpret_cast<void*>(static_cast<intptr_t>(packed[1])), rank,
-                            const_cast<int64_t*>(packed + 3)};
-    packed += 3 + rank;
-  }
-  return out;
+void Attributes::AddScalar(std::string name, XLA_FFI_DataType dtype, std::string bytes) {
+  entries_.push_back(Entry{std::move(name), false, dtype, std::move(bytes)});
 }
 
-}  // namespace
+void Attributes::AddString(std::string name, std::string value) {
+  entries_.push_back(Entry{std::move(name), true, XLA_FFI_DataType_INVALID, std::move(value)});
+}
 
-extern "C" {
+void Attributes::Finish() {
+  std::sort(entries_.begin(), entries_.end(),
+            [](const Entry& a, const Entry& b) { return a.name < b.name; });
+  const size_t n = entries_.size();
+  types_.resize(n);
+  names_.resize(n);
+  strings_.resize(n);
+  name_ptrs_.resize(n);
+  scalars_.resize(n);
+  values_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Entry& e = entries_[i];
+    names_[i] = XLA_FFI_ByteSpan{e.name.data(), e.name.size()};
+    name_ptrs_[i] = &names_[i];
+    if (e.is_string) {
+      strings_[i] = XLA_FFI_ByteSpan{e.bytes.data(), e.bytes.size()};
+      types_[i] = XLA_FFI_AttrType_STRING;
+      values_[i] = &strings_[i];
+    } else {
+      scalars_[i] = XLA_FFI_Scalar{e.dtype, e.bytes.data()};
+      types_[i] = XLA_FFI_AttrType_SCALAR;
+      values_[i] = &scalars_[i];
+    }
+  }
+  frame_ = XLA_FFI_Attrs{XLA_FFI_Attrs_STRUCT_SIZE, nullptr, static_cast<int64_t>(n),
+                         types_.data(), name_ptrs_.data(), values_.data()};
+}
 
-// Runs `handler` (execute stage) once. `stream` is the platform stream handed to the handler
-// (null on the CPU); `alloc`/`free` provide scratch memory (null: the C heap). Attributes must
-// be sorted by name, as XLA passes them. Returns 0, or -1 with the handler's message in `err`.
-__attribute__((visibility("default"))) int xla_ext_eager_call(
-    XLA_FFI_Handler* handler, void* stream, int32_t device_ordinal, int32_t num_args,
-    int32_t num_rets, const int64_t* buffers, int32_t num_attrs, const XlaExtEagerAttr* attrs, XlaExtAllocFn alloc, XlaExtFreeFn free,
-    void* alloc_user, char* err, size_t err_size) {
-  XLA_FFI_ExecutionContext ctx{stream, device_ordinal, alloc ? alloc : HostAlloc,
-                               free ? free : HostFree, alloc_user};
-
-  std::vector<XLA_FFI_Buffer> arg_buffers = Buffers(num_args, buffers);
-  std::vector<XLA_FFI_Buffer> ret_buffers = Buffers(num_rets, buffers);
+std::string Call(XLA_FFI_Handler* handler, void* stream, int32_t device_ordinal,
+                 std::vector<XLA_FFI_Buffer>& args, std::vector<XLA_FFI_Buffer>& rets,
+                 const Attributes& attributes, ScratchAllocator& scratch) {
+  XLA_FFI_ExecutionContext ctx{stream, device_ordinal, &scratch};
+  const size_t num_args = args.size(), num_rets = rets.size();
   std::vector<XLA_FFI_ArgType> arg_types(num_args, XLA_FFI_ArgType_BUFFER);
   std::vector<XLA_FFI_RetType> ret_types(num_rets, XLA_FFI_RetType_BUFFER);
   std::vector<void*> arg_ptrs(num_args), ret_ptrs(num_rets);
-  for (int i = 0; i < num_args; ++i) arg_ptrs[i] = &arg_buffers[i];
-  for (int i = 0; i < num_rets; ++i) ret_ptrs[i] = &ret_buffers[i];
-
-  std::vector<XLA_FFI_AttrType> attr_types(num_attrs);
-  std::vector<XLA_FFI_ByteSpan> names(num_attrs), strings(num_attrs);
-  std::vector<XLA_FFI_ByteSpan*> name_ptrs(num_attrs);
-  std::vector<XLA_FFI_Scalar> scalars(num_attrs);
-  std::vector<void*> attr_ptrs(num_attrs);
-  for (int i = 0; i < num_attrs; ++i) {
-    names[i] = XLA_FFI_ByteSpan{attrs[i].name, std::strlen(attrs[i].name)};
-    name_ptrs[i] = &names[i];
-    if (attrs[i].dtype < 0) {
-      strings[i] = XLA_FFI_ByteSpan{static_cast<const char*>(attrs[i].value), attrs[i].size};
-      attr_types[i] = XLA_FFI_AttrType_STRING;
-      attr_ptrs[i] = &strings[i];
-    } else {
-      scalars[i] = XLA_FFI_Scalar{static_cast<XLA_FFI_DataType>(attrs[i].dtype),
-                                  const_cast<void*>(attrs[i].value)};
-      attr_types[i] = XLA_FFI_AttrType_SCALAR;
-      attr_ptrs[i] = &scalars[i];
-    }
-  }
+  for (size_t i = 0; i < num_args; ++i) arg_ptrs[i] = &args[i];
+  for (size_t i = 0; i < num_rets; ++i) ret_ptrs[i] = &rets[i];
 
   XLA_FFI_CallFrame frame;
   std::memset(&frame, 0, sizeof(frame));
@@ -215,18 +183,17 @@ __attribute__((visibility("default"))) int xla_ext_eager_call(
   frame.api = &kEagerApi;
   frame.ctx = &ctx;
   frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
-  frame.args = XLA_FFI_Args{XLA_FFI_Args_STRUCT_SIZE, nullptr, num_args, arg_types.data(),
-                            arg_ptrs.data()};
-  frame.rets = XLA_FFI_Rets{XLA_FFI_Rets_STRUCT_SIZE, nullptr, num_rets, ret_types.data(),
-                            ret_ptrs.data()};
-  frame.attrs = XLA_FFI_Attrs{XLA_FFI_Attrs_STRUCT_SIZE, nullptr, num_attrs, attr_types.data(),
-                              name_ptrs.data(), attr_ptrs.data()};
+  frame.args = XLA_FFI_Args{XLA_FFI_Args_STRUCT_SIZE, nullptr, static_cast<int64_t>(num_args),
+                            arg_types.data(), arg_ptrs.data()};
+  frame.rets = XLA_FFI_Rets{XLA_FFI_Rets_STRUCT_SIZE, nullptr, static_cast<int64_t>(num_rets),
+                            ret_types.data(), ret_ptrs.data()};
+  frame.attrs = attributes.frame();
   if (XLA_FFI_Error* error = handler(&frame)) {
-    if (err_size > 0) std::snprintf(err, err_size, "%s", error->message.c_str());
+    std::string message = std::move(error->message);
     delete error;
-    return -1;
+    return message.empty() ? "the handler failed without a message" : message;
   }
-  return 0;
+  return "";
 }
 
-}  // extern "C"
+}  // namespace xla_ext::eager
