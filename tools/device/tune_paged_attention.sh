@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds the kernels once per setting of the XLA_EXT_PAGED_ATTENTION_*
 # knobs of kernels/paged_attention/ (sm_90a only, to build fast) and
-# times paged_attention through XLA GPU for each: the five uniform shapes (bench/decode_bench.py),
+# times paged_attention through XLA GPU (and, for mixes, the torch op in a CUDA graph) for each:
+# the five uniform shapes (bench/decode_bench.py),
 # or with MIXES the batch mixes of bench/decode_mixes_bench.py whose names contain one of its
 # |-separated strings. One JSON line per setting in $OUT/tune.jsonl.
 #
@@ -31,6 +32,6 @@ for setting in ${SETTINGS:-PARTITION=512}; do
     python3 bench/decode_bench.py --only xla_ext --skip-add --reps 20 --out "$OUT/tune-last.json" \
       > /dev/null 2>> "$OUT/tune-errors.txt"
   fi
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'setting': sys.argv[2], 'copy_gbps': r['copy_gbps'], 'rows': [(x['shape'], x.get('impl'), x.get('time_us'), x.get('pct_of_copy'), x.get('error')) for x in r['rows'] if x.get('impl') in (None, 'xla_ext', 'uniform_xla_ext')]}))" \
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'setting': sys.argv[2], 'copy_gbps': r['copy_gbps'], 'rows': [(x['shape'], x.get('impl'), x.get('time_us'), x.get('pct_of_copy'), x.get('error')) for x in r['rows'] if x.get('impl') in (None, 'xla_ext', 'torch_graph', 'uniform_xla_ext')]}))" \
     "$OUT/tune-last.json" "$setting" | tee -a "$OUT/tune.jsonl"
 done
