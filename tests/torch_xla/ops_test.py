@@ -127,3 +127,56 @@ def test_eager_calls_of_one_signature_read_their_own_tensors_and_scalars():
                                                torch.tensor(slots))
         torch.ops.xla_ext.reshape_and_cache(key, value, *caches, torch.tensor(slots))
         assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+
+
+def test_eager_calls_take_strided_operands_and_refuse_strided_in_place_targets():
+    """A kept call is found by contiguity too: a strided operand is read through a contiguous
+    copy, while a strided cache, which the op would have to write in place, is refused (and
+    left as it was) even after a contiguous cache of the same shape has been written."""
+    from torch_xla_ext import TorchXlaExtError
+
+    inputs = _paged_inputs(torch.float32)
+    want = reference.paged_attention_ref(**inputs, scale=0.125)
+    strided_query = inputs["query"].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided_query.is_contiguous()
+    for query in (inputs["query"], strided_query, inputs["query"]):
+        got = torch.ops.xla_ext.paged_attention(**{**inputs, "query": query}, scale=0.125)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+    key, value, slots = torch.randn(2, 4, 64), torch.randn(2, 4, 64), torch.tensor([3, 17])
+    torch.ops.xla_ext.reshape_and_cache(key, value, torch.zeros(8, 16, 4, 64),
+                                        torch.zeros(8, 16, 4, 64), slots)
+    strided_cache = torch.zeros(8, 4, 16, 64).transpose(1, 2)
+    with pytest.raises(TorchXlaExtError, match="argument 'key_cache': expected a contiguous"):
+        torch.ops.xla_ext.reshape_and_cache(key, value, strided_cache,
+                                            torch.zeros(8, 16, 4, 64), slots)
+    assert not strided_cache.any()
+
+    caches = [torch.zeros(8, 16, 4, 64), torch.zeros(8, 16, 4, 64)]
+    new_caches = torch.ops.xla_ext.reshape_and_cache_functional(key, value, *caches, slots)
+    want = reference.reshape_and_cache_ref(key, value, *[c.clone() for c in caches], slots)
+    assert not caches[0].any() and not caches[1].any()  # the functional op copies first
+    assert torch.equal(new_caches[0], want[0]) and torch.equal(new_caches[1], want[1])
+
+
+def test_eager_calls_from_several_threads_each_get_their_own_results():
+    """The C++ kernel keeps calls in one table for all threads: threads calling with different
+    signatures and data at once must each get their own result."""
+    import concurrent.futures
+
+    cases = []
+    for seed, lengths in enumerate(([1, 17, 40], [5, 33], [64, 2, 9, 16], [1, 17, 40])):
+        inputs = sample_inputs.paged_attention(lengths, num_heads=8, num_kv_heads=2,
+                                               head_size=64, block_size=16,
+                                               dtype=torch.float32, seed=seed)
+        cases.append((inputs, reference.paged_attention_ref(**inputs, scale=0.125)))
+
+    def run(case):
+        inputs, want = case
+        for _ in range(20):
+            got = torch.ops.xla_ext.paged_attention(**inputs, scale=0.125)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        for future in [pool.submit(run, case) for case in cases]:
+            future.result()
