@@ -43,9 +43,13 @@ def main():
     b = torch.ones(4, device=device)
     data = sample_inputs.paged_attention([1, 3], 2, 1, 64, 8, torch.float32, device=device)
     attention = tuple(data.values()) + (0.125,)
+    ragged = sample_inputs.ragged_paged_attention([3, 1], [5, 9], 2, 1, 64, 8, torch.float32,
+                                                  device=device)
     rows = {
         "simple_add": host_us(lambda: torch.ops.xla_ext.simple_add(a, b)),
         "paged_attention": host_us(lambda: torch.ops.xla_ext.paged_attention(*attention)),
+        "ragged_paged_attention": host_us(
+            lambda: torch.ops.xla_ext.ragged_paged_attention(**ragged, sm_scale=0.125)),
         "torch add (for scale)": host_us(lambda: torch.add(a, b)),
     }
     if device.startswith("cuda"):
