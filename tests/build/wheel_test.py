@@ -29,7 +29,8 @@ def test_wheel_name_tags_metadata_and_record():
         for dist in ("torch", "torch_xla", "jax", "jaxlib"):
             version = importlib.metadata.version(dist)
             assert f"Requires-Dist: {dist}=={version}" in metadata
-        assert {"torch_xla_ext/lib/libxla_ext_kernels.so", "torch_xla_ext/__init__.py",
+        assert {"torch_xla_ext/lib/libxla_ext_kernels.so", "torch_xla_ext/lib/libxla_ext_torch.so",
+                "torch_xla_ext/__init__.py",
                 "torch_xla_ext/include/xla_ext/registry.h"} <= names
         record = list(csv.reader(io.StringIO(
             wheel.read("torch_xla_ext-0.1.0.dist-info/RECORD").decode())))
@@ -79,10 +80,12 @@ def test_install_into_a_fresh_venv_and_run_the_users_example(installed, tmp_path
         b = torch.tensor([4., 5., 6.], device=dev)
         print(torch_xla._XLAC._xla_gpu_custom_call([a, b], "", [[3]], [torch.float32],
                                                    target="XlaGpuSimpleAdd")[0].cpu().tolist())
+        # The torch op on CPU tensors: the wheel's C++ kernel (lib/libxla_ext_torch.so).
+        print(torch.ops.xla_ext.simple_add(a.cpu(), b.cpu()).tolist())
     """) % site
     result = _run([python, "-c", script], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "[5.0, 7.0, 9.0]"
+    assert result.stdout.strip().splitlines()[-2:] == ["[5.0, 7.0, 9.0]"] * 2
 
 
 @pytest.mark.parametrize("how", ["console_script", "python_m", "package_main_as_a_file"])
