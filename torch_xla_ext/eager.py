@@ -34,6 +34,11 @@ def _extension():
     return module
 
 
+def empty(shape, dtype_name, like):
+    """An empty array for an optional operand given as None (OpDef.operand_values)."""
+    return like.new_empty(shape, dtype=getattr(torch, dtype_name))
+
+
 def _handler(target, platform):
     for library in binders.libraries():
         for kernel in library.kernels:
@@ -53,7 +58,7 @@ def _attribute(name, value):
     """(name, FFI DataType or -1 for a string, value bytes) of an attribute."""
     if isinstance(value, str):
         return name, -1, value.encode()
-    return name, dtypes.DTYPES[dtypes.name(value.dtype)].ffi_id, value.tobytes()
+    return name, dtypes.lookup(value.dtype).ffi_id, value.tobytes()
 
 
 def _describe(op, write_into_arguments, *values):
@@ -62,23 +67,19 @@ def _describe(op, write_into_arguments, *values):
     args = dict(zip([name for name, *_ in op.arguments], values))
     op.check(**args)
     results = op.results(args)
-    tensors = [args[name] for name in op.operands if args[name] is not None]
-    device = tensors[0].device
+    operand_values = op.operand_values(args, empty)
+    device = operand_values[0].device
     platform = _PLATFORMS.get(device.type)
     if platform is None:
         raise TorchXlaExtError(f"tensors on {device} cannot run eagerly; expected cpu or cuda")
     operands = []
-    for name in op.operands:
-        value = args[name]
-        if value is None:  # an optional argument: the handler takes an empty array
-            shape, dtype_name = op.absent[name]
-            value = torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
-            operands.append((-1, _ffi_id(f"argument '{name}'", value), value))
-            continue
+    for name, value in zip(op.operands, operand_values):
         if value.device != device:
             raise TorchXlaExtError(f"{op.target}: argument '{name}': expected a tensor on "
                                    f"{device}, got {value.device}")
-        operands.append((list(args).index(name), _ffi_id(f"argument '{name}'", value), None))
+        given = args[name] is not None  # else an empty array the handler takes for None
+        operands.append((list(args).index(name) if given else -1,
+                         _ffi_id(f"argument '{name}'", value), None if given else value))
     written = {}
     for index, name in op.writes.items():
         if write_into_arguments and not args[name].is_contiguous():

@@ -17,10 +17,6 @@ _lib = torch.library.Library("xla_ext", "DEF")
 _other_libs = {}  # namespace -> Library, for the ops also registered under another name
 
 
-def _empty(shape, dtype_name, like):
-    return like.new_empty(shape, dtype=getattr(torch, dtype_name))
-
-
 def _results_like(op, args):
     return [torch.empty(shape, dtype=dtype, device=args[op.operands[0]].device)
             for shape, dtype in op.results(args)]
@@ -42,7 +38,7 @@ def check_known_values(op, args):
 
 def _on_xla(op, args):
     check_known_values(op, args)
-    return custom_call(op.operand_values(args, _empty), op.target,
+    return custom_call(op.operand_values(args, eager.empty), op.target,
                        [s for s, _ in op.results(args)], [d for _, d in op.results(args)],
                        attrs=op.attribute_values(args), aliases=op.aliases())
 

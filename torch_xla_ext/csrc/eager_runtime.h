@@ -35,6 +35,11 @@ class HostScratch final : public ScratchAllocator {
 // call that has the same attribute values.
 class Attributes {
  public:
+  Attributes() = default;
+  // frame() points into the object itself.
+  Attributes(const Attributes&) = delete;
+  Attributes& operator=(const Attributes&) = delete;
+
   // A scalar attribute: `dtype` is its XLA_FFI_DataType, `bytes` its value.
   void AddScalar(std::string name, XLA_FFI_DataType dtype, std::string bytes);
   void AddString(std::string name, std::string value);
