@@ -563,10 +563,7 @@ void Launch(const Params& p, const Batch& batch, const Plan& plan, cudaStream_t 
     cuda::LaunchProgrammatic(AttendTensorCoreKernel<T, kHeadSize, false, Batch>, grid, block,
                              shared_bytes, stream, p, batch, plan.layout, plan.num_stages);
   }
-  // A sequence's pieces are known on the device only: a row gets the warps of an even share
-  // (a longer row's warps take several chunks each).
-  LaunchCombine<T, kHeadSize>(p, batch, cuda::CeilDiv(plan.workers, p.num_seqs) + 1,
-                              static_cast<int64_t>(p.num_seqs) * p.num_heads, stream);
+  LaunchCombine<T, kHeadSize>(p, batch, static_cast<int64_t>(p.num_seqs) * p.num_heads, stream);
 }
 
 }  // namespace xla_ext::paged_attention::tensor_core

@@ -65,8 +65,7 @@ struct Kernels {
     }
     simt::Attend<T, kHeadSize>(p, static_cast<int>(s.num_seqs), s.group_size(), stream);
     if (p.num_partitions > 1) {
-      LaunchCombine<T, kHeadSize>(p, SeqLensBatch{}, p.num_partitions, s.num_seqs * s.num_heads,
-                                  stream);
+      LaunchCombine<T, kHeadSize>(p, SeqLensBatch{}, s.num_seqs * s.num_heads, stream);
     }
   }
 };

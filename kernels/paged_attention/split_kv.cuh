@@ -8,10 +8,12 @@
 #ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_SPLIT_KV_CUH_
 #define XLA_EXT_KERNELS_PAGED_ATTENTION_SPLIT_KV_CUH_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 
+#include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
 
@@ -122,20 +124,13 @@ __device__ __forceinline__ float Logit(const Params& p, float dot, int head, int
 }
 
 constexpr int kCombineWarps = 8;  // per CTA
+constexpr int kCombineThreads = kCombineWarps * 32;
 
-// Partitions a combine warp loads at once, into 16 float4 registers per lane (a lane holds 4
+// Records a combine warp loads at once, into 16 float4 registers per lane (a lane holds 4
 // columns of each, 8 with head sizes over 128).
 template <int kHeadSize>
 constexpr int CombineChunk() {
   return kHeadSize > 128 ? 8 : 16;
-}
-
-// Warps that merge one (seq, head) row: enough that each loads its partitions in one chunk,
-// at most a CTA's. The rest of a CTA's warps take further rows.
-inline int CombineWarpsPerRow(int num_partitions, int chunk) {
-  int warps = 1;
-  while (warps < kCombineWarps && warps * chunk < num_partitions) warps *= 2;
-  return warps;
 }
 
 template <typename Op>
@@ -147,72 +142,50 @@ __device__ __forceinline__ float WarpReduce(float value, Op op) {
   return value;
 }
 
-// Merges each (seq, head) row's records: out = out_scale * sum_i w_i o_i / sum_i w_i l_i, where
-// w_i = exp(m_i - m) and (m_i, l_i, o_i) are record i's max, sum and unnormalised output. An
-// empty sequence gets zeros (unless its row is -1); one the attention kernel wrote directly is
-// left alone.
-// It runs after the attention kernel, where its memory round trips, not its bytes, set its
-// time: a warp issues all loads of a chunk of partitions (lane c holds columns 4c..4c+3, as
-// float4) together with the chunk's statistics, then merges the chunk online. A row's warps
-// (CombineWarpsPerRow) take interleaved chunks and meet in shared memory; with few partitions
-// a warp has a row to itself and the CTA serves kCombineWarps rows.
-template <typename T, int kHeadSize, typename Batch>
-__global__ void __launch_bounds__(kCombineWarps * 32)
-    CombinePartitionsKernel(Params p, Batch batch, int warps_per_row, int64_t rows) {
-  constexpr int kVecs = (kHeadSize + 127) / 128;  // float4 columns per lane
-  constexpr int kChunk = CombineChunk<kHeadSize>();
-  __shared__ float4 warp_acc[kCombineWarps][kVecs * 32];
-  __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
-  cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
-  cuda::sm90::LaunchDependents();
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t seq_head = static_cast<int64_t>(blockIdx.x) * (kCombineWarps / warps_per_row) +
-                           warp / warps_per_row;
-  const int share = warp % warps_per_row;  // this warp's chunks: share, share + warps_per_row..
-  const bool has_row = seq_head < rows;
-  const int seq = has_row ? static_cast<int>(seq_head / p.num_heads) : 0;
-  const int seq_len = has_row ? batch.Length(p, seq) : 0;
-  const int64_t out_row = has_row ? batch.Row(p, seq) : -1;
-  int first_record = 0, used = 0;
-  if (p.seq_records != nullptr) {
-    if (seq_len > 0) {
-      const int2 records = p.seq_records[seq];
-      first_record = records.x;
-      used = records.y;
-    }
-  } else {
-    first_record = seq * p.num_partitions;
-    used = (seq_len + p.partition_len - 1) / p.partition_len;
-  }
-  const bool written = p.seq_records != nullptr && used == 1;
-  if (written) used = 0;
-  const int64_t first =
-      static_cast<int64_t>(seq_head % p.num_heads) * p.num_records + first_record;
-  const float4* partial = reinterpret_cast<const float4*>(p.partial_out + first * kHeadSize);
-  const auto has_column = [&](int v) { return (v * 32 + lane) * 4 < kHeadSize; };
+// A (sequence, head) row whose records a combine CTA merges.
+struct CombineRow {
+  int64_t first;       // its first record, numbered as in the partials ([num_heads, num_records])
+  int64_t out_offset;  // its first output element
+  int used;            // its records
+  int warps;           // the CTA's warps that share them: one per chunk, at most all
+  int round;           // the CTA's rows merge in rounds of at most kCombineWarps warps
+  int first_warp;      // the first of its warps in its round
+};
 
-  float m = -INFINITY, l = 0.0f;
-  float4 acc[kVecs];
+// One warp's share of a row's records: chunks share, share + warps, ... of CombineChunk
+// records, merged online into (m, l, acc) (lane c holds columns 4c..4c+3, as float4). A warp
+// issues all loads of a chunk together with the chunk's statistics: one memory round trip per
+// chunk.
+template <int kHeadSize>
+__device__ __forceinline__ void MergeShare(const Params& p, const CombineRow& r, int share,
+                                           float& m, float& l,
+                                           float4 (&acc)[(kHeadSize + 127) / 128]) {
+  constexpr int kVecs = (kHeadSize + 127) / 128;
+  constexpr int kChunk = CombineChunk<kHeadSize>();
+  const int lane = threadIdx.x % 32;
+  const float4* partial = reinterpret_cast<const float4*>(p.partial_out + r.first * kHeadSize);
+  const auto has_column = [&](int v) { return (v * 32 + lane) * 4 < kHeadSize; };
+  m = -INFINITY;
+  l = 0.0f;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int base = share * kChunk; base < used; base += warps_per_row * kChunk) {
+  for (int base = share * kChunk; base < r.used; base += r.warps * kChunk) {
     const int mine = base + lane % kChunk;
-    const bool has_stats = lane < kChunk && mine < used;
-    const float chunk_max = has_stats ? p.partial_max[first + mine] : -INFINITY;
-    const float chunk_sum = has_stats ? p.partial_sum[first + mine] : 0.0f;
+    const bool has_stats = lane < kChunk && mine < r.used;
+    const float chunk_max = has_stats ? p.partial_max[r.first + mine] : -INFINITY;
+    const float chunk_sum = has_stats ? p.partial_sum[r.first + mine] : 0.0f;
     float4 values[kChunk][kVecs];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j)
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
-        values[j][v] = base + j < used && has_column(v)
+        values[j][v] = base + j < r.used && has_column(v)
                            ? partial[(base + j) * (kHeadSize / 4) + v * 32 + lane]
                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     const float new_max =
         fmaxf(m, WarpReduce(chunk_max, [](float a, float b) { return fmaxf(a, b); }));
-    // A partition whose tokens were all skipped has max -inf and sum 0: weight 0.
+    // A record whose tokens were all skipped has max -inf and sum 0: weight 0.
     if (new_max == -INFINITY) continue;
     const float rescale = __expf(m - new_max);  // 0 while m is -inf
     const float weight = chunk_max == -INFINITY ? 0.0f : __expf(chunk_max - new_max);
@@ -222,79 +195,175 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
       const float w = __shfl_sync(0xffffffffu, weight, j);
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
-        const float r = j == 0 ? rescale : 1.0f;
-        acc[v] = make_float4(acc[v].x * r + w * values[j][v].x, acc[v].y * r + w * values[j][v].y,
-                             acc[v].z * r + w * values[j][v].z, acc[v].w * r + w * values[j][v].w);
+        const float s = j == 0 ? rescale : 1.0f;
+        acc[v] = make_float4(acc[v].x * s + w * values[j][v].x, acc[v].y * s + w * values[j][v].y,
+                             acc[v].z * s + w * values[j][v].z, acc[v].w * s + w * values[j][v].w);
       }
     }
     m = new_max;
   }
+}
 
-  if (warps_per_row > 1) {  // the row's warps merge into its first one
-    if (lane == 0) {
-      warp_max[warp] = m;
-      warp_sum[warp] = l;
-    }
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) warp_acc[warp][v * 32 + lane] = acc[v];
-    __syncthreads();
-    if (share != 0) return;
-    float row_max = -INFINITY;
-    for (int w = warp; w < warp + warps_per_row; ++w) row_max = fmaxf(row_max, warp_max[w]);
-    l = 0.0f;
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (row_max != -INFINITY) {
-      for (int w = warp; w < warp + warps_per_row; ++w) {
-        const float s = __expf(warp_max[w] - row_max);  // 0 for a warp with nothing
-        l += s * warp_sum[w];
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          const float4 a = warp_acc[w][v * 32 + lane];
-          acc[v] = make_float4(acc[v].x + s * a.x, acc[v].y + s * a.y, acc[v].z + s * a.z,
-                               acc[v].w + s * a.w);
+// Merges each (seq, head) row's records: out = out_scale * sum_i w_i o_i / sum_i w_i l_i, where
+// w_i = exp(m_i - m) and (m_i, l_i, o_i) are record i's max, sum and unnormalised output. An
+// empty sequence gets zeros (unless its row is -1); one the attention kernel wrote directly is
+// left alone.
+// It runs after the attention kernel, where memory round trips, not bytes, set its time, and a
+// long sequence beside short ones has many times the records of the others. So the grid is at
+// most one resident wave (LaunchCombine); CTA c of C takes rows c, c + C, c + 2C, ... (a
+// sequence's heads, split alike, go to different CTAs), kCombineThreads at a time, a thread
+// each: it looks up its row's records, writes the zeros of an empty one, and lists the row if it
+// has records to merge, with a warp per chunk of them (at most all the CTA's). The listed rows
+// merge in rounds of at most kCombineWarps warps: one round trip a round while a row has at most
+// kCombineWarps chunks; a row's warps meet in shared memory. (Before, warps per row were fixed
+// on the host from the average records: 256 x 32 tokens, with nothing to merge, had a grid of
+// 1024 CTAs in 3.9 waves, and its call took 19.2 us against 16.6 now on the H100;
+// bench/results/h100-combine-rows-ab.txt.)
+template <typename T, int kHeadSize, typename Batch>
+__global__ void __launch_bounds__(kCombineThreads)
+    CombinePartitionsKernel(Params p, Batch batch, int64_t rows) {
+  constexpr int kVecs = (kHeadSize + 127) / 128;  // float4 columns per lane
+  constexpr int kChunk = CombineChunk<kHeadSize>();
+  __shared__ float4 warp_acc[kCombineWarps][kVecs * 32];
+  __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
+  __shared__ CombineRow listed[kCombineThreads];
+  __shared__ int scan_scratch[cuda::balanced::ScratchInts(kCombineThreads)];
+  __shared__ int num_rounds;
+  cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
+  cuda::sm90::LaunchDependents();
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  T* out = static_cast<T*>(p.out);
+  const int64_t stride = gridDim.x;
+  for (int64_t pass = blockIdx.x; pass < rows; pass += stride * kCombineThreads) {
+    const int64_t row = pass + threadIdx.x * stride;
+    CombineRow mine{};
+    bool lists = false;
+    if (row < rows) {
+      const int seq = static_cast<int>(row / p.num_heads);
+      const int head = static_cast<int>(row % p.num_heads);
+      // Loaded beside the length (one round trip); an empty sequence's entry is never used.
+      const int2 records = p.seq_records != nullptr ? p.seq_records[seq] : make_int2(0, 0);
+      const int seq_len = batch.Length(p, seq);
+      const int64_t out_row = batch.Row(p, seq);
+      int first_record = 0, used = 0;
+      if (p.seq_records != nullptr) {
+        if (seq_len > 0) {
+          first_record = records.x;
+          used = records.y;
         }
+      } else {
+        first_record = seq * p.num_partitions;
+        used = (seq_len + p.partition_len - 1) / p.partition_len;
+      }
+      const bool written = p.seq_records != nullptr && used == 1;
+      const int64_t out_offset = (out_row * p.num_heads + head) * kHeadSize;
+      if (out_row >= 0 && used == 0) {
+        for (int i = 0; i < kHeadSize; ++i) out[out_offset + i] = cuda::FromFloat<T>(0.0f);
+      } else if (out_row >= 0 && !written) {
+        mine.first = static_cast<int64_t>(head) * p.num_records + first_record;
+        mine.out_offset = out_offset;
+        mine.used = used;
+        mine.warps = min(kCombineWarps, (used + kChunk - 1) / kChunk);
+        lists = true;
       }
     }
-  }
-  if (out_row < 0 || written) return;
-  const float inv_sum = l > 0.0f ? p.out_scale / l : 0.0f;  // an empty sequence gives zeros
-  T* out =
-      static_cast<T*>(p.out) + (out_row * p.num_heads + seq_head % p.num_heads) * kHeadSize;
+    int num_listed;
+    const int index =
+        cuda::balanced::BlockInclusiveScan(lists ? 1 : 0, scan_scratch, num_listed) - 1;
+    if (lists) listed[index] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {  // in order; a row's warps in one round
+      int round = 0, next_warp = 0;
+      for (int i = 0; i < num_listed; ++i) {
+        if (next_warp + listed[i].warps > kCombineWarps) {
+          ++round;
+          next_warp = 0;
+        }
+        listed[i].round = round;
+        listed[i].first_warp = next_warp;
+        next_warp += listed[i].warps;
+      }
+      num_rounds = num_listed > 0 ? round + 1 : 0;
+    }
+    __syncthreads();
+    int round_begin = 0;  // the round's first listed row
+    for (int round = 0; round < num_rounds; ++round) {
+      int round_end = round_begin, own = -1;
+      for (; round_end < num_listed && listed[round_end].round == round; ++round_end) {
+        const CombineRow& r = listed[round_end];
+        if (r.first_warp <= warp && warp < r.first_warp + r.warps) own = round_end;
+      }
+      round_begin = round_end;
+      float m = -INFINITY, l = 0.0f;
+      float4 acc[kVecs];
+      CombineRow r{};
+      if (own >= 0) {
+        r = listed[own];
+        MergeShare<kHeadSize>(p, r, warp - r.first_warp, m, l, acc);
+        if (r.warps > 1) {
+          if (lane == 0) {
+            warp_max[warp] = m;
+            warp_sum[warp] = l;
+          }
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    if (!has_column(v)) continue;
-    const int column = (v * 32 + lane) * 4;
-    out[column] = cuda::FromFloat<T>(acc[v].x * inv_sum);
-    out[column + 1] = cuda::FromFloat<T>(acc[v].y * inv_sum);
-    out[column + 2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
-    out[column + 3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
+          for (int v = 0; v < kVecs; ++v) warp_acc[warp][v * 32 + lane] = acc[v];
+        }
+      }
+      __syncthreads();
+      if (own >= 0 && warp == r.first_warp) {
+        if (r.warps > 1) {  // the row's warps merge into its first one
+          float row_max = -INFINITY;
+          for (int w = warp; w < warp + r.warps; ++w) row_max = fmaxf(row_max, warp_max[w]);
+          l = 0.0f;
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          if (row_max != -INFINITY) {
+            for (int w = warp; w < warp + r.warps; ++w) {
+              const float s = __expf(warp_max[w] - row_max);  // 0 for a warp with nothing
+              l += s * warp_sum[w];
+#pragma unroll
+              for (int v = 0; v < kVecs; ++v) {
+                const float4 a = warp_acc[w][v * 32 + lane];
+                acc[v] = make_float4(acc[v].x + s * a.x, acc[v].y + s * a.y, acc[v].z + s * a.z,
+                                     acc[v].w + s * a.w);
+              }
+            }
+          }
+        }
+        const float inv_sum = l > 0.0f ? p.out_scale / l : 0.0f;
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          const int column = (v * 32 + lane) * 4;
+          if (column >= kHeadSize) continue;
+          T* dst = out + r.out_offset + column;
+          dst[0] = cuda::FromFloat<T>(acc[v].x * inv_sum);
+          dst[1] = cuda::FromFloat<T>(acc[v].y * inv_sum);
+          dst[2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
+          dst[3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
+        }
+      }
+      __syncthreads();  // warp_acc is the next round's
+    }
   }
 }
 
-// Launches the combine of `rows` (sequence, head) rows, each with up to about
-// `records_per_row` records, behind the attention kernel on `stream` (it waits for it on the
-// GPU). Where one wave of the GPU holds more warps than those rows need, a row gets more
-// warps: the records per row are an average, and a long sequence beside short ones has many
-// times more (on the H100, one of 32 rows of 1 x 32768 + 31 x 512 had 89 records for its one
-// warp, six round trips of 16: bench/results/h100-combine-wave-ab.txt).
+// Launches the combine of `rows` (sequence, head) rows behind the attention kernel on `stream`
+// (it waits for it on the GPU): at most a CTA per row, and no more than the GPU holds at once.
 template <typename T, int kHeadSize, typename Batch>
-void LaunchCombine(const Params& p, const Batch& batch, int64_t records_per_row, int64_t rows,
-                   cudaStream_t stream) {
-  int warps_per_row =
-      CombineWarpsPerRow(static_cast<int>(records_per_row), CombineChunk<kHeadSize>());
+void LaunchCombine(const Params& p, const Batch& batch, int64_t rows, cudaStream_t stream) {
+  constexpr int64_t kCtasWithoutDeviceInfo = 1024;
+  int64_t ctas = std::min(rows, kCtasWithoutDeviceInfo);
   if (const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo()) {
     const void* kernel = reinterpret_cast<const void*>(
         &CombinePartitionsKernel<T, kHeadSize, Batch>);
-    const int64_t resident_warps = int64_t{device->sms} * kCombineWarps *
-                                   cuda::CtasPerSm(kernel, *device, kCombineWarps * 32, 0);
-    while (warps_per_row < kCombineWarps && rows * warps_per_row * 2 <= resident_warps) {
-      warps_per_row *= 2;
-    }
+    ctas = std::min<int64_t>(
+        rows, int64_t{device->sms} *
+                  std::max(1, cuda::CtasPerSm(kernel, *device, kCombineThreads, 0)));
   }
   cuda::LaunchProgrammatic(CombinePartitionsKernel<T, kHeadSize, Batch>,
-                           dim3(cuda::CeilDiv(rows, kCombineWarps / warps_per_row)),
-                           dim3(kCombineWarps * 32), 0, stream, p, batch, warps_per_row, rows);
+                           dim3(static_cast<unsigned>(ctas)), dim3(kCombineThreads), 0, stream,
+                           p, batch, rows);
 }
 
 }  // namespace xla_ext::paged_attention
