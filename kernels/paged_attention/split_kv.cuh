@@ -268,23 +268,33 @@ __global__ void __launch_bounds__(kCombineThreads)
         lists = true;
       }
     }
-    int num_listed;
-    const int index =
-        cuda::balanced::BlockInclusiveScan(lists ? 1 : 0, scan_scratch, num_listed) - 1;
-    if (lists) listed[index] = mine;
-    __syncthreads();
-    if (threadIdx.x == 0) {  // in order; a row's warps in one round
-      int round = 0, next_warp = 0;
-      for (int i = 0; i < num_listed; ++i) {
-        if (next_warp + listed[i].warps > kCombineWarps) {
-          ++round;
-          next_warp = 0;
+    // One scan counts the listed rows (low 16 bits) and their warps (high bits).
+    int scanned;
+    const int inclusive = cuda::balanced::BlockInclusiveScan(
+        lists ? 1 + (mine.warps << 16) : 0, scan_scratch, scanned);
+    const int num_listed = scanned & 0xffff;
+    if (lists) {
+      mine.round = 0;  // when every listed row's warps fit in one round
+      mine.first_warp = (inclusive >> 16) - mine.warps;
+      listed[(inclusive & 0xffff) - 1] = mine;
+    }
+    if ((scanned >> 16) > kCombineWarps) {  // rounds, in order, each row's warps in one
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int round = 0, next_warp = 0;
+        for (int i = 0; i < num_listed; ++i) {
+          if (next_warp + listed[i].warps > kCombineWarps) {
+            ++round;
+            next_warp = 0;
+          }
+          listed[i].round = round;
+          listed[i].first_warp = next_warp;
+          next_warp += listed[i].warps;
         }
-        listed[i].round = round;
-        listed[i].first_warp = next_warp;
-        next_warp += listed[i].warps;
+        num_rounds = round + 1;
       }
-      num_rounds = num_listed > 0 ? round + 1 : 0;
+    } else if (threadIdx.x == 0) {
+      num_rounds = num_listed > 0 ? 1 : 0;
     }
     __syncthreads();
     int round_begin = 0;  // the round's first listed row
@@ -295,42 +305,8 @@ __global__ void __launch_bounds__(kCombineThreads)
         if (r.first_warp <= warp && warp < r.first_warp + r.warps) own = round_end;
       }
       round_begin = round_end;
-      float m = -INFINITY, l = 0.0f;
-      float4 acc[kVecs];
-      CombineRow r{};
-      if (own >= 0) {
-        r = listed[own];
-        MergeShare<kHeadSize>(p, r, warp - r.first_warp, m, l, acc);
-        if (r.warps > 1) {
-          if (lane == 0) {
-            warp_max[warp] = m;
-            warp_sum[warp] = l;
-          }
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) warp_acc[warp][v * 32 + lane] = acc[v];
-        }
-      }
-      __syncthreads();
-      if (own >= 0 && warp == r.first_warp) {
-        if (r.warps > 1) {  // the row's warps merge into its first one
-          float row_max = -INFINITY;
-          for (int w = warp; w < warp + r.warps; ++w) row_max = fmaxf(row_max, warp_max[w]);
-          l = 0.0f;
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          if (row_max != -INFINITY) {
-            for (int w = warp; w < warp + r.warps; ++w) {
-              const float s = __expf(warp_max[w] - row_max);  // 0 for a warp with nothing
-              l += s * warp_sum[w];
-#pragma unroll
-              for (int v = 0; v < kVecs; ++v) {
-                const float4 a = warp_acc[w][v * 32 + lane];
-                acc[v] = make_float4(acc[v].x + s * a.x, acc[v].y + s * a.y, acc[v].z + s * a.z,
-                                     acc[v].w + s * a.w);
-              }
-            }
-          }
-        }
+      // out = out_scale * acc / l, from the row's first warp.
+      const auto write_row = [&](const CombineRow& r, float l, const float4 (&acc)[kVecs]) {
         const float inv_sum = l > 0.0f ? p.out_scale / l : 0.0f;
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) {
@@ -342,6 +318,44 @@ __global__ void __launch_bounds__(kCombineThreads)
           dst[2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
           dst[3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
         }
+      };
+      float m = -INFINITY, l = 0.0f;
+      float4 acc[kVecs];
+      CombineRow r{};
+      if (own >= 0) {
+        r = listed[own];
+        MergeShare<kHeadSize>(p, r, warp - r.first_warp, m, l, acc);
+        if (r.warps == 1) {
+          write_row(r, l, acc);
+        } else {
+          if (lane == 0) {
+            warp_max[warp] = m;
+            warp_sum[warp] = l;
+          }
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) warp_acc[warp][v * 32 + lane] = acc[v];
+        }
+      }
+      __syncthreads();
+      if (own >= 0 && r.warps > 1 && warp == r.first_warp) {  // the row's warps merge here
+        float row_max = -INFINITY;
+        for (int w = warp; w < warp + r.warps; ++w) row_max = fmaxf(row_max, warp_max[w]);
+        l = 0.0f;
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (row_max != -INFINITY) {
+          for (int w = warp; w < warp + r.warps; ++w) {
+            const float s = __expf(warp_max[w] - row_max);  // 0 for a warp with nothing
+            l += s * warp_sum[w];
+#pragma unroll
+            for (int v = 0; v < kVecs; ++v) {
+              const float4 a = warp_acc[w][v * 32 + lane];
+              acc[v] = make_float4(acc[v].x + s * a.x, acc[v].y + s * a.y, acc[v].z + s * a.z,
+                                   acc[v].w + s * a.w);
+            }
+          }
+        }
+        write_row(r, l, acc);
       }
       __syncthreads();  // warp_acc is the next round's
     }
