@@ -234,6 +234,20 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   T* out = static_cast<T*>(p.out);
+  // out = out_scale * acc / l, from the row's first warp.
+  const auto write_row = [&](const CombineRow& r, float l, const float4 (&acc)[kVecs]) {
+    const float inv_sum = l > 0.0f ? p.out_scale / l : 0.0f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int column = (v * 32 + lane) * 4;
+      if (column >= kHeadSize) continue;
+      T* dst = out + r.out_offset + column;
+      dst[0] = cuda::FromFloat<T>(acc[v].x * inv_sum);
+      dst[1] = cuda::FromFloat<T>(acc[v].y * inv_sum);
+      dst[2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
+      dst[3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
+    }
+  };
   const int64_t stride = gridDim.x;
   for (int64_t pass = blockIdx.x; pass < rows; pass += stride * kCombineThreads) {
     const int64_t row = pass + threadIdx.x * stride;
@@ -305,20 +319,6 @@ __global__ void __launch_bounds__(kCombineThreads)
         if (r.first_warp <= warp && warp < r.first_warp + r.warps) own = round_end;
       }
       round_begin = round_end;
-      // out = out_scale * acc / l, from the row's first warp.
-      const auto write_row = [&](const CombineRow& r, float l, const float4 (&acc)[kVecs]) {
-        const float inv_sum = l > 0.0f ? p.out_scale / l : 0.0f;
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          const int column = (v * 32 + lane) * 4;
-          if (column >= kHeadSize) continue;
-          T* dst = out + r.out_offset + column;
-          dst[0] = cuda::FromFloat<T>(acc[v].x * inv_sum);
-          dst[1] = cuda::FromFloat<T>(acc[v].y * inv_sum);
-          dst[2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
-          dst[3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
-        }
-      };
       float m = -INFINITY, l = 0.0f;
       float4 acc[kVecs];
       CombineRow r{};

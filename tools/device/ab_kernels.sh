@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT=$PWD
 OUT="${OUT:-/tmp/xla_ext_out}"
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" >&2; exit 2; }
+usage() { sed -n '2,/^[^#]/{/^#/p}' "${BASH_SOURCE[0]}" >&2; exit 2; }  # the comment above
 
 variant_dir() {  # NAME -> the tree it runs in
   if [[ $1 == tree ]]; then echo "$ROOT"; else echo "/tmp/ab/$1"; fi
