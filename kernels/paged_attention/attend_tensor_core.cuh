@@ -9,9 +9,9 @@
 //   cross sequences, a long sequence spans many CTAs, the lengths are read on the device). A
 //   sequence a CTA holds whole is written to the output directly; the pieces of a split one go
 //   to CombinePartitionsKernel. One warp per kv head; a token's rows for the CTA's kv heads are
-//   contiguous in the NHD cache, so one TMA bulk copy moves them into shared memory (with K and
-//   V interleaved, as in the ragged op's cache, a token's (K, V) pairs of the CTA's kv heads
-//   are one run: one copy for K and V).
+//   contiguous in the NHD cache (with K and V interleaved, as in the ragged op's cache, its
+//   (K, V) pairs of the CTA's kv heads are one run), and with every kv head in the CTA so are
+//   two consecutive tokens': one TMA bulk copy moves a pair of tokens into shared memory.
 // - Stages (their K and V rows) stream through a ring of num_stages buffers. A producer warp
 //   walks the CTA's stages and issues the copies, telling the consumers which sequence and
 //   tokens each stage holds; a buffer's `full` mbarrier completes when its
@@ -27,8 +27,8 @@
 //   policies: B=1, L=32768 -2.5 to -3.3 us per call, the other shapes unchanged or faster; the
 //   copies' policy alone made B=32 2-3 us slower, and reading the partials back evict-first in
 //   the combine kernel was no better (bench/results/h100-tune-tensor-core.txt).
-// Shared-memory rows are padded by 16 bytes so that ldmatrix's 8 rows of 8 tokens fall in
-// distinct banks. Measured on an H100 (bench/results/h100-tune-tensor-core.txt): one L2 prefetch
+// Shared-memory runs of two tokens are padded by 16 bytes so that ldmatrix's 8 rows of 8 even
+// (or odd) tokens fall in distinct banks (Layout). Measured on an H100 (bench/results/h100-tune-tensor-core.txt): one L2 prefetch
 // per block-sized run of tokens, a stage ahead, raised B=32, L=4096 from 82% to 88% of copy
 // bandwidth in the same timing; copies of one kv head's 256-byte rows reached only about 50%.
 // Before the batch was split by its actual lengths, partitions were sized from the longest
@@ -71,23 +71,30 @@ constexpr int kHeaderBytes =
      kScheduleScratchInts * sizeof(int) + 15) / 16 * 16;
 static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 
-// A stage in shared memory: kStageTokens rows of K (the CTA's kv heads' K rows of a token),
-// then as many of V; with K and V interleaved in the cache, kStageTokens rows of (K, V) pairs.
-// The copies are issued one lane at a time, so fewer, larger ones stream faster: on the ragged
-// op's decode steps at head_dim 64 two copies of 1 KB per token kept the kernel at 37% of copy
-// bandwidth (bench/results/h100-serving-ours.json).
+// A stage in shared memory: its tokens in pairs (2i, 2i + 1), each pair one run of the two
+// tokens' rows (a token's row: the CTA's kv heads' K rows, or with K and V interleaved in the
+// cache their (K, V) pairs), the runs padded by 16 bytes; with K and V apart, kStageTokens / 2
+// runs of K, then as many of V. Where a CTA holds every kv head a pair's rows are contiguous in
+// the cache, so one copy moves them: the copies are issued one lane at a time, and fewer,
+// larger ones stream faster (at head_dim 64 the decode kernel copying one 1 KB row per token
+// and cache stayed at 73% of copy bandwidth on 64 x 2048, bench/results/h100-decode-mixes.json;
+// on the ragged op's decode steps two copies of 1 KB per token, 37%,
+// bench/results/h100-serving-ours.json). The padding puts the 8 runs' starts in distinct
+// 16-byte bank groups (their stride is an odd multiple of 16 modulo 128), so the consumers'
+// ldmatrix rows, 8 even or 8 odd tokens, fall in distinct banks: an S tile's 8 columns are
+// the stage's even tokens or its odd ones.
 struct Layout {
-  static constexpr int kRowPadding = 16;  // bytes
-  int row_stride;   // bytes of one copied row in shared memory, padded
+  static constexpr int kRunPadding = 16;  // bytes
+  int token_bytes;  // one token's copied row
+  int run_stride;   // bytes of a pair's run in shared memory, padded
   int stage_bytes;
 
   static Layout For(int kv_heads_per_cta, int head_size, int element_size, bool kv_interleaved) {
     const int row_bytes = kv_heads_per_cta * head_size * element_size;
-    if (kv_interleaved) {
-      const int row_stride = 2 * row_bytes + kRowPadding;
-      return {row_stride, kStageTokens * row_stride};
-    }
-    return {row_bytes + kRowPadding, 2 * kStageTokens * (row_bytes + kRowPadding)};
+    const int token_bytes = kv_interleaved ? 2 * row_bytes : row_bytes;
+    const int run_stride = 2 * token_bytes + kRunPadding;
+    const int runs = (kv_interleaved ? 1 : 2) * kStageTokens / 2;
+    return {token_bytes, run_stride, runs * run_stride};
   }
 };
 
@@ -165,42 +172,55 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   const int num_iters = range.end - range.begin;
 
   if (warp == kv_heads_per_cta) {
-    // Producer: lanes 0-15 copy the K rows of a stage's tokens, lanes 16-31 their V rows
-    // (interleaved: lanes 0-15 each token's (K, V) pairs, lanes 16-31 nothing). The next
+    // Producer: lane i < 8 copies the K rows of the stage's tokens 2i and 2i + 1, lane 8 + i
+    // their V rows (interleaved: lane i their (K, V) pairs, lanes 8-15 nothing); lanes 16-31
+    // only arrive. A pair is one copy where its rows are contiguous in the cache (every kv head
+    // in the CTA; the two tokens are in one block, of at least 8 tokens), else two. The next
     // stage's block-table entry is loaded before waiting for its buffer. With every kv head in
     // the CTA, a block's rows are one contiguous run: one L2 prefetch per run, a stage ahead,
-    // turns the next stage's row copies into L2 hits. Tokens before the window are skipped.
-    const int index = lane % kStageTokens;
-    const int half = lane / kStageTokens;
-    const bool copier = !p.kv_interleaved || half == 0;
-    const uint32_t row_bytes = layout.row_stride - Layout::kRowPadding;
+    // turns the next stage's copies into L2 hits. Tokens before the window are skipped.
+    constexpr int kPairs = kStageTokens / 2;
+    const int pair = lane % kPairs;
+    const int part = lane / kPairs;  // 0: K (or K and V), 1: V
+    const bool copier = part == 0 || (part == 1 && !p.kv_interleaved);
+    const bool whole_rows = kv_heads_per_cta == p.num_kv_heads;
+    const uint32_t token_bytes = layout.token_bytes;
     const int64_t slot_elements =
         (p.kv_interleaved ? 2 : 1) * static_cast<int64_t>(p.num_kv_heads) * kHeadSize;
     const T* cache = p.kv_interleaved ? static_cast<const T*>(p.key_cache) +
                                             2 * first_kv_head * kHeadSize
-                                      : static_cast<const T*>(half == 0 ? p.key_cache
+                                      : static_cast<const T*>(part == 0 ? p.key_cache
                                                                         : p.value_cache) +
                                             first_kv_head * kHeadSize;
     const uint64_t read_once = sm90::EvictFirstPolicy();
-    const int prefetch_run =
-        kv_heads_per_cta == p.num_kv_heads ? min(1 << p.log2_block_size, kStageTokens) : 0;
-    const uint32_t prefetch_bytes = copier ? prefetch_run * row_bytes : 0;
+    const int prefetch_run = whole_rows ? min(1 << p.log2_block_size, kStageTokens) : 0;
+    const uint32_t prefetch_bytes = copier ? prefetch_run * token_bytes : 0;
     cuda::balanced::SequenceWalk walk(length_of, units_of, p.num_seqs, range.first_seq,
                                       range.begin - range.first_seq_begin);
     const auto first_token = [&]() {
       return (SkippedStages(p.window, walk.length) + walk.unit) * kStageTokens;
     };
-    const auto row_offset = [&]() -> int64_t {
-      const int t = first_token() + index;
-      if (!copier || t >= walk.length || t < WindowStart(p, walk.length)) return -1;
+    // The element offsets of this lane's two tokens' rows in the walk's stage, -1 for a token
+    // not copied.
+    struct PairRows {
+      int64_t first = -1;
+      int64_t second = -1;
+    };
+    const auto pair_rows = [&]() {
+      PairRows rows;
+      const int t = first_token() + 2 * pair;
+      if (!copier || t >= walk.length) return rows;
       const int block = p.block_tables[static_cast<int64_t>(walk.seq) * p.max_blocks_per_seq +
                                        (t >> p.log2_block_size)];
-      if (block < 0 || block >= p.num_blocks) return -1;
+      if (block < 0 || block >= p.num_blocks) return rows;
       const int64_t slot = (static_cast<int64_t>(block) << p.log2_block_size) +
                            (t & ((1 << p.log2_block_size) - 1));
-      return slot * slot_elements;
+      const int window_start = WindowStart(p, walk.length);
+      if (t >= window_start) rows.first = slot * slot_elements;
+      if (t + 1 < walk.length && t + 1 >= window_start) rows.second = (slot + 1) * slot_elements;
+      return rows;
     };
-    int64_t offset = row_offset();
+    PairRows rows = pair_rows();
     for (int iter = 0; iter < num_iters; ++iter) {
       const int slot = iter % num_stages;
       const StageInfo info{walk.seq, first_token(), walk.length,
@@ -212,46 +232,52 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
         p.seq_records[walk.seq] =
             make_int2(blockIdx.x + walk.seq, last_cta - static_cast<int>(blockIdx.x) + 1);
       }
-      int64_t next = -1;
+      PairRows next;
       if (iter + 1 < num_iters) {
         walk.Next();
-        next = row_offset();
+        next = pair_rows();
       }
       if (iter >= num_stages) {
         sm90::WaitParity(sm90::SharedAddress(&empty[slot]), (iter / num_stages - 1) & 1);
       }
-      const uint32_t valid = __ballot_sync(0xffffffffu, offset >= 0);
-      const uint32_t bytes = offset >= 0 ? row_bytes : 0;
+      // Bit i: token 2i (S tile 0's column i); bit 8 + i: token 2i + 1 (tile 1's).
+      const uint32_t valid = (__ballot_sync(0xffffffffu, rows.first >= 0) & 0xffu) |
+                             (__ballot_sync(0xffffffffu, rows.second >= 0) & 0xffu) << kPairs;
+      const bool joined = whole_rows && rows.first >= 0 && rows.second >= 0;
+      const uint32_t bytes =
+          (rows.first >= 0 ? token_bytes : 0) + (rows.second >= 0 ? token_bytes : 0);
       const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
       const uint32_t barrier = sm90::SharedAddress(&full[slot]);
       unsigned char* dst =
-          stages + slot * layout.stage_bytes + (half * kStageTokens + index) * layout.row_stride;
-      if (copier && offset < 0) {
-        // A skipped token: zeros (weight 0 times finite values), released to the consumers
-        // by this lane's arrive below, and ordered before later TMA writes to these bytes.
-        for (uint32_t i = 0; i < row_bytes; i += 16) {
-          *reinterpret_cast<uint4*>(dst + i) = make_uint4(0, 0, 0, 0);
-        }
-        sm90::FenceProxyAsync();
-      }
-      // Every lane arrives, releasing its own shared-memory writes (lane 0: the stage's
-      // description and token mask).
+          stages + slot * layout.stage_bytes + (part * kPairs + pair) * layout.run_stride;
+      // Every lane arrives (lane 0 releasing the stage's description and token mask). A
+      // skipped token's rows are not written: the consumers replace its scores and mask its V
+      // rows.
       if (lane == 0) {
         stage_infos[slot] = info;
-        valid_masks[slot] = valid & 0xffffu;
+        valid_masks[slot] = valid;
         sm90::ArriveExpectBytes(barrier, total);
       } else {
         sm90::Arrive(barrier);
       }
       __syncwarp();  // the bytes are expected before any copy can complete
-      if (offset >= 0) {
-        sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + offset, bytes, barrier,
-                               read_once);
+      if (joined) {
+        sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + rows.first, 2 * token_bytes,
+                               barrier, read_once);
+      } else {
+        if (rows.first >= 0) {
+          sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + rows.first, token_bytes,
+                                 barrier, read_once);
+        }
+        if (rows.second >= 0) {
+          sm90::BulkCopyToShared(sm90::SharedAddress(dst + token_bytes), cache + rows.second,
+                                 token_bytes, barrier, read_once);
+        }
       }
-      if (prefetch_bytes > 0 && next >= 0 && index % prefetch_run == 0) {
-        sm90::PrefetchToL2(cache + next, prefetch_bytes);
+      if (prefetch_bytes > 0 && next.first >= 0 && (2 * pair) % prefetch_run == 0) {
+        sm90::PrefetchToL2(cache + next.first, prefetch_bytes);
       }
-      offset = next;
+      rows = next;
     }
     finish();
     return;
@@ -333,18 +359,21 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     }
   };
 
-  // Where this warp's kv head's K and V rows sit in a stage (Layout).
+  // Where this warp's kv head's K and V rows sit in a token's row of a stage (Layout).
   const uint32_t k_offset = (p.kv_interleaved ? 2 * warp : warp) * kHeadSize * sizeof(T);
   const uint32_t v_offset =
       p.kv_interleaved ? (2 * warp + 1) * kHeadSize * sizeof(T)
-                       : kStageTokens * layout.row_stride + warp * kHeadSize * sizeof(T);
+                       : kStageTokens / 2 * layout.run_stride + warp * kHeadSize * sizeof(T);
 
-  // ldmatrix row addresses of this lane, relative to the warp's first K or V element.
-  // K (B of Q K^T, not transposed): matrix j = lane/8 is (tokens 8*(j/2).., columns 8*(j%2)..).
-  // V (B of P V, transposed): matrix j is (tokens 8*(j%2).., columns 8*(j/2)..).
+  // ldmatrix row addresses of this lane, relative to the warp's first K or V element; row r of
+  // an 8 x 8 matrix is token 2r (S tile 0, P V's k rows 0-7) or 2r + 1 (tile 1, k rows 8-15).
+  // K (B of Q K^T, not transposed): matrix j = lane/8 is (tile j/2, columns 8*(j%2)..).
+  // V (B of P V, transposed): matrix j is (k rows 8*(j%2).., columns 8*(j/2)..).
   const int j = lane / 8;
-  const int k_lane = ((j / 2) * 8 + lane % 8) * layout.row_stride + (j % 2) * 8 * sizeof(T);
-  const int v_lane = ((j % 2) * 8 + lane % 8) * layout.row_stride + (j / 2) * 8 * sizeof(T);
+  const int k_lane = (lane % 8) * layout.run_stride + (j / 2) * layout.token_bytes +
+                     (j % 2) * 8 * sizeof(T);
+  const int v_lane = (lane % 8) * layout.run_stride + (j % 2) * layout.token_bytes +
+                     (j / 2) * 8 * sizeof(T);
 
   int seq = -1;             // the sequence of the piece in progress
   bool piece_from_start = false;  // it began with the sequence's first stage
@@ -388,12 +417,13 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) tile_max[r] = -INFINITY;
     for_each_score([&](int n, int i, int r) {
-      const int index = n * 8 + col + i % 2;
+      const int column = col + i % 2;  // of tile n: token 2 * column + n of the stage
       // Padding rows still need a finite logit; their results are never written.
       const int head = first_head + min(row + 8 * r, group - 1);
-      const float logit = (valid >> index) & 1u
-                              ? Logit(p, s[n][i], head, info.first_token + index, info.seq_len)
-                              : -INFINITY;
+      const float logit =
+          (valid >> (n * 8 + column)) & 1u
+              ? Logit(p, s[n][i], head, info.first_token + 2 * column + n, info.seq_len)
+              : -INFINITY;
       s[n][i] = logit;
       tile_max[r] = fmaxf(tile_max[r], logit);
     });
@@ -417,14 +447,29 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
 #pragma unroll
       for (int i = 0; i < 2 * kRows; ++i) o[n][i] *= scale_old[i / 2];
 
-    // O += P V: P's A fragment is S's accumulators (tokens 0-7 then 8-15), rounded to T.
+    // O += P V: P's A fragment is S's accumulators (k rows 0-7: tile 0, 8-15: tile 1),
+    // rounded to T.
     const uint32_t pa[4] = {
         sm90::Pack<T>(s[0][0], s[0][1]), kHighRows ? sm90::Pack<T>(s[0][2], s[0][3]) : 0u,
         sm90::Pack<T>(s[1][0], s[1][1]), kHighRows ? sm90::Pack<T>(s[1][2], s[1][3]) : 0u};
+    // A skipped token's V row holds whatever the buffer held (at first, anything; a NaN times
+    // P's 0 is NaN): its elements are cleared in the B fragments, which hold k rows col and
+    // col + 1 (low and high halves), and 8 more. (The producer zeroing them holds up the
+    // stage's arrive: on 64 x 1 + 16 x 4096, whose one-token stages skip 15 tokens, 132-145 us
+    // against 107-111 us this way; bench/results/h100-pair-copies-ab.txt.)
+    const auto row_pair_mask = [&](int k) {
+      return ((valid >> k) & 1u ? 0x0000ffffu : 0u) | ((valid >> (k + 1)) & 1u ? 0xffff0000u : 0u);
+    };
+    const uint32_t v_mask_lo = row_pair_mask(col);
+    const uint32_t v_mask_hi = row_pair_mask(col + 8);
 #pragma unroll
     for (int n = 0; n < kTiles; n += 2) {
       uint32_t b[4];
       sm90::LoadMatrixX4Transposed(b, v_base + v_lane + n * 8 * sizeof(T));
+      b[0] &= v_mask_lo;  // k rows 0-7 (matrices 0 and 2), then 8-15
+      b[1] &= v_mask_hi;
+      b[2] &= v_mask_lo;
+      b[3] &= v_mask_hi;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float* acc = o[n + half];

@@ -107,6 +107,29 @@ def test_softcap_and_alibi(softcap, alibi):
     check([1, 40, 700], 8, 2, 64, 16, torch.float32, softcap=softcap, alibi=alibi)
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_nan_in_other_tokens_does_not_leak(block_size):
+    # Sequence 0's K and V are NaN, and so is every cache slot past a sequence's length: the
+    # others' outputs must not see them. On the H100's tensor-core kernel sequence 0's three
+    # 16-token stages and sequence 1's one token share a CTA with a 3-stage ring, so sequence
+    # 1's stage reuses the buffer of sequence 0's first: its 15 skipped tokens' rows hold NaN.
+    seq_lens = [48, 1, 17, 33]
+    inputs = make_inputs(seq_lens, 8, 2, 128, block_size, torch.bfloat16)
+    query, key_cache, value_cache, block_tables, lens = inputs
+    used = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for seq, n in enumerate(seq_lens):
+        for t in range(n):
+            used[block_tables[seq, t // block_size], t % block_size] = seq != 0
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    key_cache[~used] = float("nan")
+    value_cache[~used] = float("nan")
+    inputs = (query, key_cache, value_cache, block_tables, lens)
+    out = run(inputs, 128 ** -0.5)
+    assert torch.isnan(to_torch(out)[0]).all()
+    assert_close(out[1:], reference.paged_attention_ref(*inputs, 128 ** -0.5)[1:],
+                 torch.bfloat16)
+
+
 def test_zero_length_sequences_give_zeros():
     inputs = make_inputs([0, 9, 0], 4, 2, 64, 8, torch.float16)
     out = to_torch(run(inputs, 0.125))
