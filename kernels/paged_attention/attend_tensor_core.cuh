@@ -593,10 +593,11 @@ std::optional<Plan> MakePlan(int num_kv_heads, int group_size, bool kv_interleav
 // Records the plan's pieces need per query head: CTA + sequence (balanced_split.cuh).
 inline int64_t NumRecords(const Plan& plan, int64_t num_seqs) { return plan.workers + num_seqs; }
 
-// Launches the attention kernel and, behind it, the combine. `p` holds the records
-// (NumRecords) and seq_records (num_seqs).
+// Launches the attention kernel. `p` holds the records (NumRecords) and seq_records
+// (num_seqs); the combine (LaunchCombine, or the caller's) must come behind it.
 template <typename T, int kHeadSize, typename Batch>
-void Launch(const Params& p, const Batch& batch, const Plan& plan, cudaStream_t stream) {
+void LaunchAttention(const Params& p, const Batch& batch, const Plan& plan,
+                     cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.workers),
                   static_cast<unsigned>(p.num_kv_heads / plan.kv_heads_per_cta));
   const int shared_bytes = SharedBytes(plan.layout, plan.num_stages);
@@ -608,6 +609,12 @@ void Launch(const Params& p, const Batch& batch, const Plan& plan, cudaStream_t 
     cuda::LaunchProgrammatic(AttendTensorCoreKernel<T, kHeadSize, false, Batch>, grid, block,
                              shared_bytes, stream, p, batch, plan.layout, plan.num_stages);
   }
+}
+
+// Launches the attention kernel and, behind it, the combine.
+template <typename T, int kHeadSize, typename Batch>
+void Launch(const Params& p, const Batch& batch, const Plan& plan, cudaStream_t stream) {
+  LaunchAttention<T, kHeadSize>(p, batch, plan, stream);
   LaunchCombine<T, kHeadSize>(p, batch, static_cast<int64_t>(p.num_seqs) * p.num_heads, stream);
 }
 

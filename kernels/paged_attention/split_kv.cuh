@@ -219,9 +219,11 @@ __device__ __forceinline__ void MergeShare(const Params& p, const CombineRow& r,
 // on the host from the average records: 256 x 32 tokens, with nothing to merge, had a grid of
 // 1024 CTAs in 3.9 waves, and its call took 19.2 us against 16.6 now on the H100;
 // bench/results/h100-combine-rows-ab.txt.)
+// (The body of CombinePartitionsKernel, for kernels of kCombineThreads threads that combine
+// other rows too: the ragged op's.)
 template <typename T, int kHeadSize, typename Batch>
-__global__ void __launch_bounds__(kCombineThreads)
-    CombinePartitionsKernel(Params p, Batch batch, int64_t rows) {
+__device__ __forceinline__ void CombinePartitions(const Params& p, const Batch& batch,
+                                                  int64_t rows) {
   constexpr int kVecs = (kHeadSize + 127) / 128;  // float4 columns per lane
   constexpr int kChunk = CombineChunk<kHeadSize>();
   __shared__ float4 warp_acc[kCombineWarps][kVecs * 32];
@@ -229,8 +231,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ CombineRow listed[kCombineThreads];
   __shared__ int scan_scratch[cuda::balanced::ScratchInts(kCombineThreads)];
   __shared__ int num_rounds;
-  cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
-  cuda::sm90::LaunchDependents();
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   T* out = static_cast<T*>(p.out);
@@ -360,6 +360,14 @@ __global__ void __launch_bounds__(kCombineThreads)
       __syncthreads();  // warp_acc is the next round's
     }
   }
+}
+
+template <typename T, int kHeadSize, typename Batch>
+__global__ void __launch_bounds__(kCombineThreads)
+    CombinePartitionsKernel(Params p, Batch batch, int64_t rows) {
+  cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
+  cuda::sm90::LaunchDependents();
+  CombinePartitions<T, kHeadSize>(p, batch, rows);
 }
 
 // Launches the combine of `rows` (sequence, head) rows behind the attention kernel on `stream`

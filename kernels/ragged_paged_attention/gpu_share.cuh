@@ -76,18 +76,41 @@ __device__ __forceinline__ int DecodeStepUnits(const BatchParams& p, const Owned
                                                DecodeStepOf(p, rows, seq).kv_len);
 }
 
-// A tiled kernel's range of units (every thread of the CTA calls it). With the decode steps
-// elsewhere, CTA (0, 0) also marks their rows for the combine (row_pieces), and the units go
-// to the tiled kernel's share of the CTAs.
+// Writes the row_pieces entries of the query rows no tile announces (AnnounceTile writes the
+// others), so that the combine can read every row's and nothing has to clear them first (that
+// was a kernel launch of its own before the tiled kernel): -1 for a decode step the
+// decode-step kernel takes, zeros for rows no sequence owns (before cu_q_lens[0], past
+// cu_q_lens[num_seqs]) and for the rows of a sequence the kernels skip (q_len > kv_len). With
+// cu_q_lens increasing these rows are no tile's; where it is not, a row two writers share gets
+// one of their entries, each of which the combine can use. The kv head 0 CTAs call it; CTA 0
+// takes the sequences (the entries LocateRange reads next, in the same threads), all of them
+// the rows no sequence owns.
+__device__ __forceinline__ void MarkRowsWithoutTiles(const tiled::Params& p, const OwnedRows& rows,
+                                                     int num_seqs) {
+  const int4 nobody = make_int4(0, 0, 0, 0);
+  const int worker = blockIdx.x * blockDim.x + threadIdx.x;
+  const int workers = gridDim.x * blockDim.x;
+  for (int t = worker; t < rows.first; t += workers) p.row_pieces[t] = nobody;
+  for (int t = rows.end + worker; t < p.num_tokens; t += workers) p.row_pieces[t] = nobody;
+  if (blockIdx.x != 0) return;
+  for (int i = threadIdx.x; i < num_seqs; i += blockDim.x) {
+    const Sequence s = ReadSequence(p, rows, i);
+    if (s.q_len == 1 && p.decode_steps_elsewhere) {
+      p.row_pieces[s.q_start] = make_int4(0, -1, 0, 0);
+    } else if (s.q_len == 0) {
+      const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), rows.first), rows.end);
+      for (int t = s.q_start; t < q_end; ++t) p.row_pieces[t] = nobody;
+    }
+  }
+}
+
+// A tiled kernel's range of units (every thread of the CTA calls it). The kv head 0 CTAs also
+// mark the rows no tile announces, and with the decode steps elsewhere the units go to the
+// tiled kernel's share of the CTAs.
 template <int kStageTokens>
 __device__ cuda::balanced::Range LocateTiledRange(const tiled::Params& p, const OwnedRows& rows,
                                                   int num_seqs, int* scratch) {
-  if (p.decode_steps_elsewhere && blockIdx.x == 0 && blockIdx.y == 0) {
-    for (int i = threadIdx.x; i < num_seqs; i += blockDim.x) {
-      const Sequence s = DecodeStepOf(p, rows, i);
-      if (s.q_len == 1) p.row_pieces[s.q_start] = make_int4(0, -1, 0, 0);
-    }
-  }
+  if (blockIdx.y == 0) MarkRowsWithoutTiles(p, rows, num_seqs);
   return cuda::balanced::LocateRange(
       num_seqs, tiled::kMinCtaStages,
       [&](int seq) { return tiled::UnitsOf(p, rows, seq, kStageTokens); }, scratch,

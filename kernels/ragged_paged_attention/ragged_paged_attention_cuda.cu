@@ -17,7 +17,6 @@
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
-#include "kernels/common/zero_fill.cuh"
 #include "kernels/paged_attention/attend_tensor_core.cuh"
 #include "kernels/paged_attention/split_kv.cuh"
 #include "kernels/ragged_paged_attention/attend_simt.cuh"
@@ -156,32 +155,33 @@ struct Kernels {
       tp.partial_max = partials.max;
       tp.partial_sum = partials.sum;
 
-      // The tiled kernel is an ordinary launch: it, and the decode-step kernel behind it, start
-      // after the zeros.
-      cuda::LaunchZeroFill(reinterpret_cast<int*>(tp.row_pieces),
-                           s.num_tokens * static_cast<int64_t>(sizeof(int4) / sizeof(int)),
-                           call.stream);
       kernel.attend<<<dim3(static_cast<unsigned>(kernel.workers),
                            static_cast<unsigned>(s.num_kv_heads)),
                       kernel.threads, kernel.shared_bytes, call.stream>>>(tp);
-      if (decode_plan.has_value()) {
-        // Beside the tiled kernel (gpu_share.cuh), and its combine behind it.
-        paged_attention::tensor_core::Launch<T, kHeadDim>(decode_steps, DecodeSteps{tp},
-                                                          *decode_plan, call.stream);
-      }
-      // After both: it waits for the previous grid (the decode steps' combine, or the tiled
-      // kernel), which ends after the tiled one. Its warps stride over the rows
-      // (tiled::CombineKernel), in a grid no larger than the GPU holds at once.
+      // Each combine grid strides over its rows and is no larger than the GPU holds at once.
+      const auto combine_ctas = [&](auto* combine, int64_t ctas) {
+        const int per_sm = std::max(1, cuda::CtasPerSm(reinterpret_cast<const void*>(combine),
+                                                        *call.device, tiled::kCombineWarps * 32,
+                                                        0));
+        return static_cast<unsigned>(std::min<int64_t>(ctas, int64_t{call.device->sms} * per_sm));
+      };
       const int64_t rows = s.num_tokens * s.num_q_heads;
-      const int combine_ctas_per_sm = std::max(
-          1, cuda::CtasPerSm(reinterpret_cast<const void*>(&tiled::CombineKernel<T, kHeadDim>),
-                             *call.device, tiled::kCombineWarps * 32, 0));
-      const int64_t combine_ctas =
-          std::min<int64_t>((rows + tiled::kCombineWarps - 1) / tiled::kCombineWarps,
-                            int64_t{call.device->sms} * combine_ctas_per_sm);
-      cuda::LaunchProgrammatic(tiled::CombineKernel<T, kHeadDim>,
-                               dim3(static_cast<unsigned>(combine_ctas)),
-                               dim3(tiled::kCombineWarps * 32), 0, call.stream, tp);
+      const int64_t tiled_combine_ctas =
+          (rows + tiled::kCombineWarps - 1) / tiled::kCombineWarps;
+      if (decode_plan.has_value()) {
+        // Beside the tiled kernel (gpu_share.cuh), and one combine for both behind it.
+        paged_attention::tensor_core::LaunchAttention<T, kHeadDim>(decode_steps, DecodeSteps{tp},
+                                                                   *decode_plan, call.stream);
+        const int64_t decode_rows = int64_t{batch.max_num_seqs} * s.num_q_heads;
+        auto* combine = &CombineKernel<T, kHeadDim>;
+        cuda::LaunchProgrammatic(
+            combine, dim3(combine_ctas(combine, std::max(tiled_combine_ctas, decode_rows))),
+            dim3(tiled::kCombineWarps * 32), 0, call.stream, tp, decode_steps, decode_rows);
+      } else {
+        auto* combine = &tiled::CombineKernel<T, kHeadDim>;
+        cuda::LaunchProgrammatic(combine, dim3(combine_ctas(combine, tiled_combine_ctas)),
+                                 dim3(tiled::kCombineWarps * 32), 0, call.stream, tp);
+      }
     }
     return ffi::Error::Success();
   }

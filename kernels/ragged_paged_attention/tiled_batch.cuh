@@ -16,7 +16,7 @@
 //   The CTA holding a tile's first stage tells its tokens' rows where their records are
 //   (row_pieces); CombineKernel merges them, and writes zeros to rows no tile holds (padding,
 //   sequences with q_len > kv_len), but not to the decode steps left to the decode-step
-//   kernel (gpu_share.cuh marks their rows), which runs beside the tiled kernel.
+//   kernel, which runs beside the tiled kernel (gpu_share.cuh marks both kinds of row).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_TILED_BATCH_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_TILED_BATCH_CUH_
 
@@ -36,8 +36,9 @@ constexpr int kCombineWarps = 8;
 
 struct Params : BatchParams {
   // Per query token: {first record, pieces, the tile's first token, 0}; pieces 1: written
-  // directly; pieces -1: a decode step, which the decode-step kernel writes; all zero (the
-  // host clears them): nobody writes the token's rows.
+  // directly; pieces -1: a decode step, which the decode-step kernel writes; all zero: nobody
+  // writes the token's rows. The tiled kernel writes every token's (gpu_share.cuh's
+  // MarkRowsWithoutTiles and AnnounceTile).
   int4* row_pieces;
   // Records [num_kv_heads, num_records, tile_rows] (partial_out: x head_dim): a piece's
   // running max (in log2 units), sum and unnormalised output per row.
@@ -185,10 +186,8 @@ __device__ __forceinline__ int64_t RecordRow(const Params& p, const cuda::balanc
 // written whole; 32 consecutive rows per warp left a 512-token chunk's split rows to a few
 // warps, 48 us.)
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(Params p) {
+__device__ __forceinline__ void CombineRows(const Params& p) {
   constexpr int kPerLane = (kHeadDim + 31) / 32;
-  cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
-  cuda::sm90::LaunchDependents();
   const int lane = threadIdx.x % 32;
   const int64_t rows = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
   const int64_t warps = int64_t{gridDim.x} * kCombineWarps;
@@ -246,6 +245,13 @@ __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(Params p) {
       }
     }
   }
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(Params p) {
+  cuda::sm90::WaitForPrerequisiteGrid();  // launched early, behind the attention kernel
+  cuda::sm90::LaunchDependents();
+  CombineRows<T, kHeadDim>(p);
 }
 
 }  // namespace xla_ext::ragged_paged_attention::tiled
