@@ -54,11 +54,11 @@ struct DecodeSteps {
   }
 };
 
-// After the tiled kernel and the decode-step kernel beside it: the tiled kernel's rows
-// (tiled::CombineRows) and the decode steps' (paged_attention::CombinePartitions) in one kernel,
-// launched programmatically behind the decode-step kernel, whose grid ends after the tiled one.
-// (Two combine kernels, one behind the other, put one more launch and wait at the end of every
-// call.)
+// After the tiled kernel and the decode-step kernel beside it: the decode steps' rows
+// (paged_attention::CombinePartitions), then the tiled kernel's (tiled::CombineRows), in one
+// kernel launched programmatically behind the decode-step kernel, whose grid ends after the
+// tiled one. (Two combine kernels, one behind the other, put one more launch and wait at the end
+// of every call. The decode steps first: a long sequence's split rows are the call's last work.)
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(tiled::kCombineWarps * 32)
     CombineKernel(tiled::Params tiled_rows, paged_attention::Params decode_rows,
@@ -67,9 +67,9 @@ __global__ void __launch_bounds__(tiled::kCombineWarps * 32)
                 "both combines run in one CTA shape");
   cuda::sm90::WaitForPrerequisiteGrid();
   cuda::sm90::LaunchDependents();
-  tiled::CombineRows<T, kHeadDim>(tiled_rows);
   paged_attention::CombinePartitions<T, kHeadDim>(decode_rows, DecodeSteps{tiled_rows},
                                                   num_decode_rows);
+  tiled::CombineRows<T, kHeadDim>(tiled_rows);
 }
 
 // The decode kernel's parameters for the ragged batch `p` (its records and seq_records are the
