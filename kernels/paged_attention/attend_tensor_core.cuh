@@ -28,9 +28,10 @@
 //   copies' policy alone made B=32 2-3 us slower, and reading the partials back evict-first in
 //   the combine kernel was no better (bench/results/h100-tune-tensor-core.txt).
 // Shared-memory runs of two tokens are padded by 16 bytes so that ldmatrix's 8 rows of 8 even
-// (or odd) tokens fall in distinct banks (Layout). Measured on an H100 (bench/results/h100-tune-tensor-core.txt): one L2 prefetch
-// per block-sized run of tokens, a stage ahead, raised B=32, L=4096 from 82% to 88% of copy
-// bandwidth in the same timing; copies of one kv head's 256-byte rows reached only about 50%.
+// (or odd) tokens fall in distinct banks (Layout). Measured on an H100
+// (bench/results/h100-tune-tensor-core.txt): one L2 prefetch per block-sized run of tokens, a
+// stage ahead, raised B=32, L=4096 from 82% to 88% of copy bandwidth in the same timing; copies
+// of one kv head's 256-byte rows reached only about 50%.
 // Before the batch was split by its actual lengths, partitions were sized from the longest
 // possible sequence, and one long sequence beside short ones ran at 6% of copy bandwidth.
 #ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
@@ -71,18 +72,18 @@ constexpr int kHeaderBytes =
      kScheduleScratchInts * sizeof(int) + 15) / 16 * 16;
 static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 
-// A stage in shared memory: its tokens in pairs (2i, 2i + 1), each pair one run of the two
-// tokens' rows (a token's row: the CTA's kv heads' K rows, or with K and V interleaved in the
-// cache their (K, V) pairs), the runs padded by 16 bytes; with K and V apart, kStageTokens / 2
-// runs of K, then as many of V. Where a CTA holds every kv head a pair's rows are contiguous in
-// the cache, so one copy moves them: the copies are issued one lane at a time, and fewer,
-// larger ones stream faster (at head_dim 64 the decode kernel copying one 1 KB row per token
-// and cache stayed at 73% of copy bandwidth on 64 x 2048, bench/results/h100-decode-mixes.json;
-// on the ragged op's decode steps two copies of 1 KB per token, 37%,
-// bench/results/h100-serving-ours.json). The padding puts the 8 runs' starts in distinct
-// 16-byte bank groups (their stride is an odd multiple of 16 modulo 128), so the consumers'
-// ldmatrix rows, 8 even or 8 odd tokens, fall in distinct banks: an S tile's 8 columns are
-// the stage's even tokens or its odd ones.
+// A stage in shared memory: its tokens in pairs (2i, 2i + 1), each pair one run of the two tokens'
+// rows (a token's row: the CTA's kv heads' K rows, or with K and V interleaved in the cache their
+// (K, V) pairs), the runs padded by 16 bytes; with K and V apart, kStageTokens / 2 runs of K, then
+// as many of V. Where a CTA holds every kv head a pair's rows are contiguous in the cache, so one
+// copy moves them: the copies are issued one lane at a time, and fewer, larger ones stream faster
+// (on the H100 at head_dim 64, 64 x 2048: one 1 KB copy per token and cache 73% of copy bandwidth,
+// bench/results/h100-decode-mixes-44440bc.json, pairs 86-89%; in the serving loop's decode step, 16
+// layers, two 1 KB copies per token took 1926 us, one 2 KB copy 1672 us:
+// bench/results/h100-serving-ours-f7fd5d4.json, and that file as of 29c8733). The padding puts the
+// 8 runs' starts in distinct 16-byte bank groups (their stride is an odd multiple of 16 modulo
+// 128), so the consumers' ldmatrix rows, 8 even or 8 odd tokens, fall in distinct banks: an S
+// tile's 8 columns are the stage's even tokens or its odd ones.
 struct Layout {
   static constexpr int kRunPadding = 16;  // bytes
   int token_bytes;  // one token's copied row
