@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -172,6 +173,15 @@ inline int CtasPerSm(const void* kernel, const DeviceInfo& device, int threads, 
   }
   answers.emplace(key, ctas);
   return ctas;
+}
+
+// The grid of a kernel (`threads` threads, no dynamic shared memory) whose CTAs stride over
+// `wanted` CTAs' work: at most that many, and no more than the GPU holds at once (one per SM
+// where the runtime cannot say).
+inline int64_t OneWaveCtas(const void* kernel, const DeviceInfo& device, int threads,
+                           int64_t wanted) {
+  const int per_sm = std::max(1, CtasPerSm(kernel, device, threads, 0));
+  return std::min<int64_t>(wanted, int64_t{device.sms} * per_sm);
 }
 
 // Whether the environment variable `name` is set to `value` (callers keep the answer: it is

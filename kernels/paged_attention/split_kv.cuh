@@ -377,11 +377,9 @@ void LaunchCombine(const Params& p, const Batch& batch, int64_t rows, cudaStream
   constexpr int64_t kCtasWithoutDeviceInfo = 1024;
   int64_t ctas = std::min(rows, kCtasWithoutDeviceInfo);
   if (const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo()) {
-    const void* kernel = reinterpret_cast<const void*>(
-        &CombinePartitionsKernel<T, kHeadSize, Batch>);
-    ctas = std::min<int64_t>(
-        rows, int64_t{device->sms} *
-                  std::max(1, cuda::CtasPerSm(kernel, *device, kCombineThreads, 0)));
+    ctas = cuda::OneWaveCtas(
+        reinterpret_cast<const void*>(&CombinePartitionsKernel<T, kHeadSize, Batch>), *device,
+        kCombineThreads, rows);
   }
   cuda::LaunchProgrammatic(CombinePartitionsKernel<T, kHeadSize, Batch>,
                            dim3(static_cast<unsigned>(ctas)), dim3(kCombineThreads), 0, stream,

@@ -72,10 +72,15 @@ __device__ __forceinline__ OwnedRows OwnedRowsOf(const BatchParams& p, int num_s
   return {first, min(max(__ldg(p.cu_q_lens + num_seqs), first), p.num_tokens)};
 }
 
+// cu_q_lens[i] clamped into the owned rows.
+__device__ __forceinline__ int OwnedRowAt(const BatchParams& p, const OwnedRows& rows, int i) {
+  return min(max(__ldg(p.cu_q_lens + i), rows.first), rows.end);
+}
+
 __device__ __forceinline__ Sequence ReadSequence(const BatchParams& p, const OwnedRows& rows,
                                                  int i) {
-  const int q_start = min(max(__ldg(p.cu_q_lens + i), rows.first), rows.end);
-  const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), rows.first), rows.end);
+  const int q_start = OwnedRowAt(p, rows, i);
+  const int q_end = OwnedRowAt(p, rows, i + 1);
   const int kv_len = min(max(__ldg(p.kv_lens + i), 0), p.pages_per_seq << p.log2_page_size);
   const int q_len = q_end - q_start;
   return {q_start, q_len > 0 && q_len <= kv_len ? q_len : 0, kv_len};

@@ -98,8 +98,9 @@ __device__ __forceinline__ void MarkRowsWithoutTiles(const tiled::Params& p, con
     if (s.q_len == 1 && p.decode_steps_elsewhere) {
       p.row_pieces[s.q_start] = make_int4(0, -1, 0, 0);
     } else if (s.q_len == 0) {
-      const int q_end = min(max(__ldg(p.cu_q_lens + i + 1), rows.first), rows.end);
-      for (int t = s.q_start; t < q_end; ++t) p.row_pieces[t] = nobody;
+      for (int t = s.q_start, end = OwnedRowAt(p, rows, i + 1); t < end; ++t) {
+        p.row_pieces[t] = nobody;
+      }
     }
   }
 }

@@ -159,11 +159,10 @@ struct Kernels {
                            static_cast<unsigned>(s.num_kv_heads)),
                       kernel.threads, kernel.shared_bytes, call.stream>>>(tp);
       // Each combine grid strides over its rows and is no larger than the GPU holds at once.
-      const auto combine_ctas = [&](auto* combine, int64_t ctas) {
-        const int per_sm = std::max(1, cuda::CtasPerSm(reinterpret_cast<const void*>(combine),
-                                                        *call.device, tiled::kCombineWarps * 32,
-                                                        0));
-        return static_cast<unsigned>(std::min<int64_t>(ctas, int64_t{call.device->sms} * per_sm));
+      const auto combine_ctas = [&](auto* combine, int64_t wanted) {
+        return static_cast<unsigned>(cuda::OneWaveCtas(reinterpret_cast<const void*>(combine),
+                                                       *call.device, tiled::kCombineWarps * 32,
+                                                       wanted));
       };
       const int64_t rows = s.num_tokens * s.num_q_heads;
       const int64_t tiled_combine_ctas =
