@@ -85,6 +85,14 @@ class KernelLibrary:
         self.kernels = tuple(_read_kernel(binder, self.table_address, i)
                              for i in range(count.value))
 
+    def function(self, name):
+        """The library's exported C function `name` (ctypes: set its restype and argtypes)."""
+        try:
+            return getattr(self._dll, name)
+        except AttributeError:
+            raise TorchXlaExtError(f"{self.path} exports no {name}: it was built from other "
+                                   "sources than this package; rebuild it") from None
+
     def targets(self):
         return sorted({k.target for k in self.kernels})
 

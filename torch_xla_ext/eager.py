@@ -1,8 +1,9 @@
 """The CPU and CUDA kernels of the torch ops: csrc/torch_ops.cc runs an op's registered
 handler on torch tensors.
 
-CUDA handlers run on torch's current stream and take scratch memory from torch's caching
-allocator, so they order and share memory with the surrounding torch code. What depends only
+CUDA handlers run on torch's current stream and take scratch memory (and workspace results,
+which are not returned) from torch's caching allocator, so they order and share memory with
+the surrounding torch code. What depends only
 on the arguments' shapes, dtypes, devices and scalar values is worked out here once (`describe`:
 the checks, the result shapes, the handler's attributes) and kept by the C++ kernel, which
 runs later calls of the same signature without Python.
@@ -66,12 +67,15 @@ def _describe(op, write_into_arguments, *values):
     csrc/torch_ops.cc's Parse reads it."""
     args = dict(zip([name for name, *_ in op.arguments], values))
     op.check(**args)
-    results = op.results(args)
     operand_values = op.operand_values(args, empty)
     device = operand_values[0].device
     platform = _PLATFORMS.get(device.type)
     if platform is None:
         raise TorchXlaExtError(f"tensors on {device} cannot run eagerly; expected cpu or cuda")
+    attribute_values = op.attribute_values(args)
+    returned = len(op.results(args))  # the workspace result after them is not
+    results = op.handler_results(args, attribute_values,
+                                 device.index if platform == "CUDA" else None)
     operands = []
     for name, value in zip(op.operands, operand_values):
         if value.device != device:
@@ -91,8 +95,9 @@ def _describe(op, write_into_arguments, *values):
         entry = dtypes.lookup(dtype)
         if entry is None:
             raise TorchXlaExtError(f"{op.target}: result {index}: dtype {dtype} is not supported")
-        result_specs.append((list(shape), entry.ffi_id, written.get(index, -1)))
-    attributes = [_attribute(name, value) for name, value in op.attribute_values(args).items()]
+        result_specs.append((list(shape), entry.ffi_id, written.get(index, -1),
+                             index < returned))
+    attributes = [_attribute(name, value) for name, value in attribute_values.items()]
     return _handler(op.target, platform), operands, result_specs, attributes
 
 

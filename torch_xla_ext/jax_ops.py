@@ -26,7 +26,7 @@ from jax.experimental.custom_partitioning import (  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from torch_xla_ext import _kernels, binders, partitioning  # noqa: E402
+from torch_xla_ext import _kernels, binders, partitioning, workspace  # noqa: E402
 from torch_xla_ext.binders.jax_runtime import JaxRuntime  # noqa: E402
 from torch_xla_ext.op_catalog import OPS  # noqa: E402
 
@@ -56,16 +56,26 @@ def _check(op, args):
         raise
 
 
+def workspace_gpu():
+    """The GPU an op's workspace result is sized for (OpDef.handler_results): jit places calls
+    on the default backend's devices, and sizing for any GPU covers each of them."""
+    return workspace.ANY_GPU if jax.default_backend() in ("gpu", "cuda") else None
+
+
 def _ffi(op, attributes):
     """The op's custom call on whatever arrays it is given (global or one device's pieces)."""
 
     def call(*operands):
         named = dict(zip(op.operands, operands))
-        results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in op.results(named)]
+        results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
+                   op.handler_results(named, dict(attributes), workspace_gpu())]
         ffi = jax.ffi.ffi_call(op.target, results[0] if len(results) == 1 else tuple(results),
                                input_output_aliases={i: out for out, i in op.aliases().items()},
                                vmap_method="sequential")
-        return ffi(*operands, **dict(attributes))
+        out = ffi(*operands, **dict(attributes))
+        if op.workspace is None:
+            return out
+        return out[0] if len(out) == 2 else tuple(out[:-1])
 
     return call
 

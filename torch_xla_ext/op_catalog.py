@@ -7,7 +7,7 @@ torchax lowering follow from the OpDef (README: "Adding an op").
 
 import numpy as np
 
-from torch_xla_ext import checks
+from torch_xla_ext import checks, workspace
 from torch_xla_ext.opdef import OpDef
 from torch_xla_ext.partitioning import Layout
 
@@ -158,6 +158,7 @@ RAGGED_PAGED_ATTENTION = OpDef(
     attribute_none={"sliding_window": 0, "soft_cap": 0.0, "mask_value": DEFAULT_MASK_VALUE,
                     "k_scale": 1.0, "v_scale": 1.0},
     results=_same_as("q"),
+    workspace=workspace.ragged_paged_attention,
     check=checks.ragged_paged_attention,
     # Tokens do not split: cu_q_lens numbers them across the whole batch.
     layout=Layout(

@@ -42,6 +42,10 @@ class OpDef:
     # How its tensors split over devices (partitioning.Layout: which dimensions are heads or
     # batch); jax_ops' custom partitioning and the shard_map and torch_xla SPMD helpers read it.
     layout: Optional[Layout] = None
+    # Bytes of scratch the CUDA handler takes as its last result (workspace.py):
+    # workspace(args, attribute values, CUDA device ordinal or workspace.ANY_GPU). The front
+    # ends add that result to the custom call and drop it from what they return.
+    workspace: Optional[Callable] = None
 
     @functools.cached_property
     def arguments(self):
@@ -111,6 +115,16 @@ class OpDef:
         like = args[self.operands[0]]
         return [empty(*self.absent[name], like) if args[name] is None else args[name]
                 for name in self.operands]
+
+    def handler_results(self, args, attributes, gpu):
+        """[(shape, dtype)] of the handler's results: results(args), then, where the op has
+        one, the workspace (workspace.py) for CUDA device `gpu` (an ordinal or
+        workspace.ANY_GPU; None off the GPU: empty)."""
+        results = list(self.results(args))
+        if self.workspace is not None:
+            size = 0 if gpu is None else self.workspace(args, attributes, gpu)
+            results.append(((size,), "uint8"))
+        return results
 
     def aliases(self):
         """{result index: operand index} for the results written into an operand's buffer."""

@@ -9,7 +9,7 @@ custom call writing each new value into the old one's buffer (input/output alias
 
 import torch
 
-from torch_xla_ext import eager
+from torch_xla_ext import eager, workspace
 from torch_xla_ext.custom_call import custom_call
 from torch_xla_ext.op_catalog import OPS
 
@@ -38,9 +38,15 @@ def check_known_values(op, args):
 
 def _on_xla(op, args):
     check_known_values(op, args)
-    return custom_call(op.operand_values(args, eager.empty), op.target,
-                       [s for s, _ in op.results(args)], [d for _, d in op.results(args)],
-                       attrs=op.attribute_values(args), aliases=op.aliases())
+    import torch_xla.runtime
+
+    attributes = op.attribute_values(args)
+    gpu = workspace.ANY_GPU if torch_xla.runtime.device_type() in ("GPU", "CUDA") else None
+    results = op.handler_results(args, attributes, gpu)
+    outputs = custom_call(op.operand_values(args, eager.empty), op.target,
+                          [s for s, _ in results], [d for _, d in results], attrs=attributes,
+                          aliases=op.aliases())
+    return outputs[:len(op.results(args))]  # not the workspace
 
 
 def _single(results):

@@ -83,11 +83,18 @@ inline ::xla::ffi::Error CopyUnlessAliased(std::string_view op,
 }
 
 // Split-KV partial results: for `slots` (row, partition) pairs, the unnormalised outputs
-// [slots, head_size], then the maxima and the sums [slots] each, in one scratch buffer.
+// [slots, head_size], then the maxima and the sums [slots] each, in one buffer of
+// Floats(slots, head_size).
 struct PartialResults {
   float* out = nullptr;
   float* max = nullptr;
   float* sum = nullptr;
+
+  static int64_t Floats(int64_t slots, int64_t head_size) { return slots * (2 + head_size); }
+  static PartialResults In(float* buffer, int64_t slots, int64_t head_size) {
+    if (buffer == nullptr) return {};
+    return {buffer, buffer + slots * head_size, buffer + slots * (head_size + 1)};
+  }
 };
 
 // `count` elements of T from XLA's scratch allocator into `buffer`, or ResourceExhausted naming
@@ -110,12 +117,50 @@ template <typename T>
 inline ::xla::ffi::Error AllocatePartials(::xla::ffi::ScratchAllocator& scratch,
                                           std::string_view op, int64_t slots, int64_t head_size,
                                           PartialResults& partials) {
-  XLA_EXT_RETURN_IF_ERROR(
-      AllocateScratch(scratch, op, slots * (2 + head_size), "the partitions", partials.out));
-  partials.max = partials.out + slots * head_size;
-  partials.sum = partials.max + slots;
+  float* buffer = nullptr;
+  XLA_EXT_RETURN_IF_ERROR(AllocateScratch(scratch, op, PartialResults::Floats(slots, head_size),
+                                          "the partitions", buffer));
+  partials = PartialResults::In(buffer, slots, head_size);
   return ::xla::ffi::Error::Success();
 }
+
+// A call's scratch, carved out of one buffer its caller sized: the op's workspace result,
+// which XLA allocates with the call's other buffers, so that a command buffer (CUDA graph)
+// can record the call and replay it (scratch from the ScratchAllocator would be another
+// allocation at every call). Or, made by Measuring(), no buffer: Take returns null and only
+// counts, which is how a front end learns the size (the handler's own planning, run without
+// its launches). Slices are 256-byte aligned.
+class Workspace {
+ public:
+  Workspace(void* data, size_t size) : data_(static_cast<char*>(data)), size_(size) {}
+  static Workspace Measuring() { return Workspace(); }
+
+  template <typename T>
+  T* Take(int64_t count) {
+    const size_t offset = used_;
+    used_ += (static_cast<size_t>(count) * sizeof(T) + kAlignment - 1) / kAlignment * kAlignment;
+    return measuring_ ? nullptr : reinterpret_cast<T*>(data_ + offset);
+  }
+  bool measuring() const { return measuring_; }
+  size_t used() const { return used_; }
+
+  // Before the first launch: whether what was taken fits, else an error naming `op`'s
+  // `argument` (pointers past the end are never used then).
+  ::xla::ffi::Error CheckFits(std::string_view op, std::string_view argument) const {
+    if (used_ <= size_) return ::xla::ffi::Error::Success();
+    return ArgumentError(op, argument, "at least " + std::to_string(used_) + " bytes",
+                         std::to_string(size_) + " bytes");
+  }
+
+ private:
+  static constexpr size_t kAlignment = 256;
+  Workspace() : measuring_(true) {}
+
+  char* data_ = nullptr;
+  size_t size_ = 0;
+  size_t used_ = 0;
+  bool measuring_ = false;
+};
 
 inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
@@ -128,14 +173,11 @@ struct DeviceInfo {
   int max_shared_bytes = 0;  // per CTA, opted in
 };
 
-inline std::optional<DeviceInfo> CurrentDeviceInfo() {
+inline std::optional<DeviceInfo> DeviceInfoOf(int device) {
   constexpr int kMaxDevices = 64;
   static std::once_flag asked[kMaxDevices];
   static std::optional<DeviceInfo> answers[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    return std::nullopt;
-  }
+  if (device < 0 || device >= kMaxDevices) return std::nullopt;
   std::call_once(asked[device], [device] {
     DeviceInfo d;
     d.id = device;
@@ -149,6 +191,29 @@ inline std::optional<DeviceInfo> CurrentDeviceInfo() {
   });
   return answers[device];
 }
+
+inline std::optional<DeviceInfo> CurrentDeviceInfo() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return std::nullopt;
+  return DeviceInfoOf(device);
+}
+
+// Makes `device` current for its lifetime (the occupancy queries ask of the current device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    ok_ = cudaSetDevice(device) == cudaSuccess;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int previous_ = -1;
+  bool ok_ = false;
+};
 
 // CTAs of `kernel` an SM holds with `shared_bytes` of dynamic shared memory (0 if the runtime
 // cannot say). The first call per (kernel, device) also opts the kernel in to the device's

@@ -12,8 +12,7 @@
 // torch CUDA op) cannot synchronise: its check kernel is captured too and, at each replay,
 // records the first violation it finds; the next call that is not captured (of any op on the
 // device) reports it. The replayed main kernel still runs on that data, with its skip/clamp
-// behaviour. XLA puts none of the checked handlers into command buffers (they are not marked
-// command-buffer compatible).
+// behaviour. XLA puts no handler into a command buffer in debug mode (debug_checks_flag.h).
 #ifndef XLA_EXT_KERNELS_COMMON_DEBUG_CHECKS_CUH_
 #define XLA_EXT_KERNELS_COMMON_DEBUG_CHECKS_CUH_
 
@@ -21,8 +20,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -30,18 +27,10 @@
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/data_checks.h"
+#include "kernels/common/debug_checks_flag.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace xla_ext::cuda {
-
-// Whether XLA_EXT_DEBUG_CHECKS is set to anything but "" or "0"; read once per process.
-inline bool DebugChecksEnabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("XLA_EXT_DEBUG_CHECKS");
-    return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
-  }();
-  return enabled;
-}
 
 // Where a check kernel writes the first violation it found. It lives in mapped pinned host
 // memory: the host reads it once the stream is synchronised, with no copy to enqueue (or to

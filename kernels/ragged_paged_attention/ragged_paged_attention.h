@@ -14,6 +14,10 @@
 //   attrs         sm_scale (f32); sliding_window (s32, 0 = none); soft_cap (f32, 0 = none);
 //                 mask_value (f32); k_scale, v_scale (f32, 1 = none)
 //   out           [max_num_batched_tokens, num_q_heads, head_dim], dtype of q
+//   workspace     [bytes] u8: the CUDA handler's scratch, so that XLA allocates it with the
+//                 call's other buffers and a command buffer can replay the call; the front
+//                 ends size it (xla_ext_ragged_paged_attention_workspace_bytes) and drop it.
+//                 Too small: InvalidArgument. The Host handler needs none (any size).
 //
 // For sequence i < num_seqs[0], q_len = cu_q_lens[i + 1] - cu_q_lens[i], kv_len = kv_lens[i],
 // its query row j (0 <= j < q_len) sits at position q_pos = kv_len - q_len + j, and query head
@@ -103,6 +107,20 @@ struct Shapes {
   int64_t capacity() const { return pages_per_seq * page_size; }
 };
 
+// The shapes of a call whose q, kv_pages and page_indices have these dimensions (the checks
+// are Check's).
+template <typename Dims>
+Shapes ShapesOf(const Dims& q, const Dims& kv_pages, const Dims& page_indices,
+                ffi::DataType kv_type) {
+  return Shapes{q[0], q[1], q[2], kv_pages[0], kv_pages[1], kv_pages[2] / 2, page_indices[0],
+                page_indices[1], kv_type == ffi::DataType::F8E4M3FN};
+}
+
+inline ffi::Error CheckWorkspace(const ffi::AnyBuffer& workspace) {
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "workspace", workspace, ffi::DataType::U8));
+  return CheckRank(kTarget, "workspace", workspace, 1);
+}
+
 struct Attrs {
   float sm_scale;
   int32_t sliding_window;
@@ -167,7 +185,7 @@ inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
   const auto qd = q.dimensions();
   const auto kd = kv_pages.dimensions();
   const auto pd = page_indices.dimensions();
-  shapes = Shapes{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2] / 2, pd[0], pd[1], fp8_kv};
+  shapes = ShapesOf(qd, kd, pd, kv_type);
 
   if (!IsSupportedHeadDim(shapes.head_dim)) {
     return ArgumentError(kTarget, "q", "head_dim (dim 2) 64, 80, 96, 112, 128, 192 or 256",
@@ -320,7 +338,7 @@ struct DataChecks {
   }
 };
 
-// Both platforms bind the same arguments, result and attributes, after their contexts.
+// Both platforms bind the same arguments, results and attributes, after their contexts.
 template <typename Binding>
 auto Bind(Binding binding) {
   return std::move(binding)
@@ -331,6 +349,7 @@ auto Bind(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // cu_q_lens
       .template Arg<ffi::AnyBuffer>()  // num_seqs
       .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // workspace
       .template Attr<float>("sm_scale")
       .template Attr<int32_t>("sliding_window")
       .template Attr<float>("soft_cap")

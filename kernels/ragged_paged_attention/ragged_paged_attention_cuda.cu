@@ -48,13 +48,21 @@ bool ForceWarpgroup() {
   return force;
 }
 
-// What the launches need besides the call's parameters.
+// What the launches need besides the call's parameters. A measuring workspace plans the
+// call without launching it (WorkspaceBytes).
 struct Call {
   const Shapes& shapes;
   const std::optional<cuda::DeviceInfo>& device;
-  ffi::ScratchAllocator& scratch;
+  cuda::Workspace& workspace;
   cudaStream_t stream;
 };
+
+// After the last Take, before the first launch: whether to launch (not while measuring), or
+// the error of a workspace too small for what was taken.
+ffi::Error ReadyToLaunch(const Call& call, bool& launch) {
+  launch = !call.workspace.measuring();
+  return launch ? call.workspace.CheckFits(kTarget, "workspace") : ffi::Error::Success();
+}
 
 // A build-time knob (the A/B builds of gpu_share.cuh's split): the tiled kernel's arithmetic
 // rate per SM, as Share estimates it.
@@ -144,16 +152,17 @@ struct Kernels {
       if (decode_plan.has_value()) {
         XLA_EXT_RETURN_IF_ERROR(PrepareDecodeSteps(batch, *decode_plan, call, decode_steps));
       }
-
-      XLA_EXT_RETURN_IF_ERROR(cuda::AllocateScratch(call.scratch, kTarget, s.num_tokens,
-                                                    "the row pieces", tp.row_pieces));
-      cuda::PartialResults partials;
-      XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
-          call.scratch, kTarget, s.num_kv_heads * tp.num_records * kernel.tile_rows, kHeadDim,
-          partials));
+      tp.row_pieces = call.workspace.Take<int4>(s.num_tokens);
+      const int64_t slots = s.num_kv_heads * tp.num_records * kernel.tile_rows;
+      const cuda::PartialResults partials = cuda::PartialResults::In(
+          call.workspace.Take<float>(cuda::PartialResults::Floats(slots, kHeadDim)), slots,
+          kHeadDim);
       tp.partial_out = partials.out;
       tp.partial_max = partials.max;
       tp.partial_sum = partials.sum;
+      bool launch = false;
+      XLA_EXT_RETURN_IF_ERROR(ReadyToLaunch(call, launch));
+      if (!launch) return ffi::Error::Success();
 
       kernel.attend<<<dim3(static_cast<unsigned>(kernel.workers),
                            static_cast<unsigned>(s.num_kv_heads)),
@@ -213,7 +222,7 @@ struct Kernels {
     return share;
   }
 
-  // The decode-step kernel's parameters and scratch (decode_steps.cuh).
+  // The decode-step kernel's parameters and its part of the workspace (decode_steps.cuh).
   static ffi::Error PrepareDecodeSteps(const BatchParams& batch,
                                        const paged_attention::tensor_core::Plan& plan,
                                        const Call& call, paged_attention::Params& d) {
@@ -224,11 +233,11 @@ struct Kernels {
                            std::to_string(batch.max_num_seqs) + " sequences");
     }
     d.num_records = static_cast<int>(records);
-    XLA_EXT_RETURN_IF_ERROR(cuda::AllocateScratch(call.scratch, kTarget, batch.max_num_seqs,
-                                                  "the sequences' records", d.seq_records));
-    cuda::PartialResults partials;
-    XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
-        call.scratch, kTarget, int64_t{batch.num_q_heads} * d.num_records, kHeadDim, partials));
+    d.seq_records = call.workspace.Take<int2>(batch.max_num_seqs);
+    const int64_t slots = int64_t{batch.num_q_heads} * d.num_records;
+    const cuda::PartialResults partials = cuda::PartialResults::In(
+        call.workspace.Take<float>(cuda::PartialResults::Floats(slots, kHeadDim)), slots,
+        kHeadDim);
     d.partial_out = partials.out;
     d.partial_max = partials.max;
     d.partial_sum = partials.sum;
@@ -256,14 +265,17 @@ struct Kernels {
     p.num_partitions = plan.num_partitions;
     p.partition_len = plan.partition_len;
     if (plan.num_partitions > 1) {
-      cuda::PartialResults partials;
-      XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
-          call.scratch, kTarget, s.num_tokens * s.num_q_heads * plan.num_partitions, kHeadDim,
-          partials));
+      const int64_t slots = s.num_tokens * s.num_q_heads * plan.num_partitions;
+      const cuda::PartialResults partials = cuda::PartialResults::In(
+          call.workspace.Take<float>(cuda::PartialResults::Floats(slots, kHeadDim)), slots,
+          kHeadDim);
       p.partial_out = partials.out;
       p.partial_max = partials.max;
       p.partial_sum = partials.sum;
     }
+    bool launch = false;
+    XLA_EXT_RETURN_IF_ERROR(ReadyToLaunch(call, launch));
+    if (!launch) return ffi::Error::Success();
     switch (plan.heads_per_cta) {
       case 1: LaunchAttend<1>(p, plan, s, call.stream); break;
       case 2: LaunchAttend<2>(p, plan, s, call.stream); break;
@@ -318,39 +330,9 @@ ffi::Error Dispatch(ffi::DataType q_type, bool fp8_kv, int64_t head_dim, Fn&& fn
                            (fp8_kv ? "f8e4m3fn" : "of the same dtype"));
 }
 
-ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                                    ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
-                                    ffi::AnyBuffer kv_lens, ffi::AnyBuffer page_indices,
-                                    ffi::AnyBuffer cu_q_lens, ffi::AnyBuffer num_seqs,
-                                    ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-                                    int32_t sliding_window, float soft_cap, float mask_value,
-                                    float k_scale, float v_scale) {
-  const Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
-  Shapes s;
-  XLA_EXT_RETURN_IF_ERROR(
-      Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
-  if (cuda::DebugChecksEnabled()) {
-    XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
-        kTarget, stream, DataChecks::For(s, kv_lens, page_indices, cu_q_lens, num_seqs)));
-  }
-  if (s.num_tokens == 0 || s.num_q_heads == 0) return ffi::Error::Success();
-  // 16-byte row loads: XLA's buffers are aligned; a misaligned view would fault.
-  const uintptr_t addresses = reinterpret_cast<uintptr_t>(q.untyped_data()) |
-                              reinterpret_cast<uintptr_t>(kv_pages.untyped_data()) |
-                              reinterpret_cast<uintptr_t>(out->untyped_data());
-  if (addresses % 16 != 0) {
-    return ArgumentError(kTarget, "q, kv_pages, out", "16-byte aligned buffers",
-                         "a misaligned buffer");
-  }
-
+// The batch's parameters but for the buffers' addresses.
+BatchParams MakeBatchParams(const Shapes& s, const Attrs& a) {
   BatchParams p{};
-  p.q = q.untyped_data();
-  p.kv_pages = kv_pages.untyped_data();
-  p.kv_lens = static_cast<const int32_t*>(kv_lens.untyped_data());
-  p.page_indices = static_cast<const int32_t*>(page_indices.untyped_data());
-  p.cu_q_lens = static_cast<const int32_t*>(cu_q_lens.untyped_data());
-  p.num_seqs = static_cast<const int32_t*>(num_seqs.untyped_data());
-  p.out = out->untyped_data();
   p.num_tokens = static_cast<int>(s.num_tokens);
   p.num_q_heads = static_cast<int>(s.num_q_heads);
   p.num_kv_heads = static_cast<int>(s.num_kv_heads);
@@ -360,30 +342,116 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator s
   while ((int64_t{1} << p.log2_page_size) < s.page_size) ++p.log2_page_size;
   p.pages_per_seq = static_cast<int>(s.pages_per_seq);
   p.max_num_seqs = static_cast<int>(std::min<int64_t>(s.max_num_seqs, INT32_MAX));
-  p.score_scale = sm_scale * k_scale;
-  p.sliding_window = sliding_window;
-  p.soft_cap = soft_cap;
-  p.mask_value = mask_value;
-  p.visit_masked = !(mask_value <= kNegligibleMaskValue);
-  p.v_scale = v_scale;
+  p.score_scale = a.sm_scale * a.k_scale;
+  p.sliding_window = a.sliding_window;
+  p.soft_cap = a.soft_cap;
+  p.mask_value = a.mask_value;
+  p.visit_masked = !(a.mask_value <= kNegligibleMaskValue);
+  p.v_scale = a.v_scale;
+  return p;
+}
+
+ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
+                                    ffi::AnyBuffer kv_lens, ffi::AnyBuffer page_indices,
+                                    ffi::AnyBuffer cu_q_lens, ffi::AnyBuffer num_seqs,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> workspace, float sm_scale,
+                                    int32_t sliding_window, float soft_cap, float mask_value,
+                                    float k_scale, float v_scale) {
+  const Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
+  Shapes s;
+  XLA_EXT_RETURN_IF_ERROR(
+      Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
+  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(*workspace));
+  if (cuda::DebugChecksEnabled()) {
+    XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
+        kTarget, stream, DataChecks::For(s, kv_lens, page_indices, cu_q_lens, num_seqs)));
+  }
+  if (s.num_tokens == 0 || s.num_q_heads == 0) return ffi::Error::Success();
+  // 16-byte row loads: XLA's buffers are aligned; a misaligned view would fault.
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(q.untyped_data()) |
+                              reinterpret_cast<uintptr_t>(kv_pages.untyped_data()) |
+                              reinterpret_cast<uintptr_t>(out->untyped_data()) |
+                              reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  if (addresses % 16 != 0) {
+    return ArgumentError(kTarget, "q, kv_pages, out, workspace", "16-byte aligned buffers",
+                         "a misaligned buffer");
+  }
+
+  BatchParams p = MakeBatchParams(s, attrs);
+  p.q = q.untyped_data();
+  p.kv_pages = kv_pages.untyped_data();
+  p.kv_lens = static_cast<const int32_t*>(kv_lens.untyped_data());
+  p.page_indices = static_cast<const int32_t*>(page_indices.untyped_data());
+  p.cu_q_lens = static_cast<const int32_t*>(cu_q_lens.untyped_data());
+  p.num_seqs = static_cast<const int32_t*>(num_seqs.untyped_data());
+  p.out = out->untyped_data();
 
   const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo();
+  cuda::Workspace scratch(workspace->untyped_data(), workspace->size_bytes());
   const Call call{s, device, scratch, stream};
   XLA_EXT_RETURN_IF_ERROR(Dispatch(q.element_type(), s.fp8_kv, s.head_dim,
                                    [&](auto kernels) { return kernels.Launch(p, call); }));
   return cuda::LastLaunchError(kTarget);
 }
 
-// Not command-buffer compatible: the scratch (records of split rows, the tensor-core kernel's
-// row descriptions) comes from the ScratchAllocator at every call, which a recorded command
-// buffer cannot repeat.
+// The bytes of workspace a call needs on `device`: the handler's own planning, with a
+// measuring workspace and nothing launched. -1 where the handler has no kernel for it.
+int64_t WorkspaceBytesOn(int device, const Shapes& s, ffi::DataType q_type, const Attrs& attrs) {
+  if (s.num_tokens == 0 || s.num_q_heads == 0) return 0;  // the handler launches nothing
+  const cuda::DeviceGuard guard(device);
+  const std::optional<cuda::DeviceInfo> info = cuda::DeviceInfoOf(device);
+  if (!guard.ok() || !info.has_value()) return 0;
+  cuda::Workspace measuring = cuda::Workspace::Measuring();
+  const Call call{s, info, measuring, nullptr};
+  const BatchParams p = MakeBatchParams(s, attrs);
+  const ffi::Error planned = Dispatch(q_type, s.fp8_kv, s.head_dim,
+                                      [&](auto kernels) { return kernels.Launch(p, call); });
+  if (planned.failure()) return -1;
+  return static_cast<int64_t>(measuring.used());
+}
+
+// Not in a CUDA graph's way: no host synchronisation, and its scratch is the workspace result
+// (XLA's own buffer), not an allocation at every call.
 XLA_FFI_DEFINE_HANDLER(kRaggedPagedAttentionCuda, RaggedPagedAttentionCuda,
-                       Bind(ffi::Ffi::Bind()
-                                .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                .Ctx<ffi::ScratchAllocator>()));
+                       Bind(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace
 
-XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kRaggedPagedAttentionCuda, XLA_EXT_NO_TRAITS);
+XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kRaggedPagedAttentionCuda,
+                        XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
 }  // namespace xla_ext::ragged_paged_attention
+
+// For the front ends, which size the op's workspace result when they build the call: the bytes
+// a call with these shapes (q [3], kv_pages [4] and page_indices [2] dimensions; q's and
+// kv_pages' XLA_FFI_DataType) and attributes needs on CUDA device `device`, or with device -1
+// the most any visible device needs; 0 where no device is visible; -1 where the CUDA handler
+// has no kernel for the call.
+extern "C" __attribute__((visibility("default"))) int64_t
+xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_dtype,
+                                               const int64_t* q_dims,
+                                               const int64_t* kv_pages_dims,
+                                               const int64_t* page_indices_dims, float sm_scale,
+                                               int32_t sliding_window, float soft_cap,
+                                               float mask_value, float k_scale, float v_scale) {
+  namespace rpa = xla_ext::ragged_paged_attention;
+  const auto q_type = static_cast<xla::ffi::DataType>(q_dtype);
+  const rpa::Shapes s = rpa::ShapesOf(q_dims, kv_pages_dims, page_indices_dims,
+                                      static_cast<xla::ffi::DataType>(kv_dtype));
+  const rpa::Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
+  if (device >= 0) return rpa::WorkspaceBytesOn(device, s, q_type, attrs);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: nothing needs a workspace
+    return 0;
+  }
+  int64_t most = 0;
+  for (int d = 0; d < devices; ++d) {
+    const int64_t bytes = rpa::WorkspaceBytesOn(d, s, q_type, attrs);
+    if (bytes < 0) return -1;
+    most = std::max(most, bytes);
+  }
+  return most;
+}

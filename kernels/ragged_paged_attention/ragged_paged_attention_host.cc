@@ -140,13 +140,15 @@ ffi::Error Dispatch(ffi::DataType q_type, bool fp8_kv, Fn&& fn) {
 ffi::Error RaggedPagedAttentionHost(ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
                                     ffi::AnyBuffer kv_lens, ffi::AnyBuffer page_indices,
                                     ffi::AnyBuffer cu_q_lens, ffi::AnyBuffer num_seqs,
-                                    ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> workspace, float sm_scale,
                                     int32_t sliding_window, float soft_cap, float mask_value,
                                     float k_scale, float v_scale) {
   const Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
+  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(*workspace));  // the CUDA handler's; unused here
   const auto* lens = static_cast<const int32_t*>(kv_lens.untyped_data());
   const auto* pages = static_cast<const int32_t*>(page_indices.untyped_data());
   const auto* cu = static_cast<const int32_t*>(cu_q_lens.untyped_data());

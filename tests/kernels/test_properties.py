@@ -100,10 +100,13 @@ def _split(op, args):
 
 def _handler_call(op, a):
     """op's FFI target called as jax_ops does, without any of the Python checks."""
-    results = [jax.ShapeDtypeStruct(tuple(s), d) for s, d in op.results(a)]
+    attributes = op.attribute_values(a)
+    results = [jax.ShapeDtypeStruct(tuple(s), d)
+               for s, d in op.handler_results(a, attributes, xla_ext_jax.workspace_gpu())]
     call = jax.ffi.ffi_call(op.target, results[0] if len(results) == 1 else tuple(results),
                             input_output_aliases={i: o for o, i in op.aliases().items()})
-    return call(*op.operand_values(a, _empty), **op.attribute_values(a))
+    out = call(*op.operand_values(a, _empty), **attributes)
+    return out[:len(op.results(a))] if op.workspace is not None else out
 
 
 def run_jax(op, args, mode):

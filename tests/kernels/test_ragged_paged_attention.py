@@ -12,8 +12,11 @@ import torch
 from tests import reference
 from tests.kernels.common import (DTYPES, HANDLERS_CHECK_DATA, PLATFORM, TOLERANCES, to_jax,
                                   to_torch)
+from torch_xla_ext import jax_ops as xla_ext_jax
+from torch_xla_ext import op_catalog
 
-TARGET = "xla_ext.ragged_paged_attention"
+OP = op_catalog.RAGGED_PAGED_ATTENTION
+TARGET = OP.target
 FP8 = torch.float8_e4m3fn
 
 
@@ -96,13 +99,23 @@ def ffi_attributes(a):
     )
 
 
-def run(inputs, attrs, out_dtype=None, jit=True):
+def workspace_type(args, attributes):
+    """The handler's workspace result, sized as the front ends size it."""
+    named = dict(zip(OP.operands, args))
+    shape, dtype = OP.handler_results(named, attributes, xla_ext_jax.workspace_gpu())[-1]
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def run(inputs, attrs, out_dtype=None, jit=True, workspace=None):
+    """The target on `inputs`; `workspace` replaces the workspace result's type."""
     args = [to_jax(t) for t in inputs]
-    out_type = jax.ShapeDtypeStruct(args[0].shape, out_dtype or args[0].dtype)
-    call = functools.partial(jax.ffi.ffi_call(TARGET, out_type), **ffi_attributes(attrs))
+    attributes = ffi_attributes(attrs)
+    out_type = (jax.ShapeDtypeStruct(args[0].shape, out_dtype or args[0].dtype),
+                workspace or workspace_type(args, attributes))
+    call = functools.partial(jax.ffi.ffi_call(TARGET, out_type), **attributes)
     if jit:
         call = jax.jit(call)
-    return to_torch(jax.block_until_ready(call(*args)))
+    return to_torch(jax.block_until_ready(call(*args))[0])
 
 
 def assert_close(out, expected, dtype):
@@ -362,6 +375,59 @@ def test_group_of_four_with_one_kv_head_is_accepted():
 def test_rejects_other_out_dtype():
     with pytest.raises(Exception, match="argument 'out'"):
         run(_inputs(), attributes(64), out_dtype=np.float16, jit=False)
+
+
+def test_rejects_workspace_of_other_dtype():
+    with pytest.raises(Exception, match="argument 'workspace': expected dtype u8"):
+        run(_inputs(), attributes(64), jit=False,
+            workspace=jax.ShapeDtypeStruct((256,), np.float32))
+
+
+@pytest.mark.skipif(PLATFORM == "cpu", reason="the Host handler takes no scratch from the "
+                    "workspace: any size is enough")
+def test_workspace_size_is_what_the_handler_takes():
+    # The size the front ends ask the library for is the handler's own planning: one byte
+    # less is refused before anything is launched.
+    inputs = make_inputs(MIXED, 8, 2, 128, 16, torch.bfloat16)
+    attrs = attributes(128)
+    needed = workspace_type([to_jax(t) for t in inputs], ffi_attributes(attrs)).shape[0]
+    assert needed > 0
+    with pytest.raises(Exception, match=f"argument 'workspace': expected at least {needed} "
+                                        f"bytes, got {needed - 1} bytes"):
+        run(inputs, attrs, jit=False, workspace=jax.ShapeDtypeStruct((needed - 1,), np.uint8))
+    assert_close(run(inputs, attrs, workspace=jax.ShapeDtypeStruct((needed,), np.uint8)),
+                 reference.ragged_paged_attention_ref(*inputs, **attrs), torch.bfloat16)
+
+
+def test_chain_in_one_executable():
+    # Several calls in one jitted function, each call's output the next one's q: on the GPU
+    # XLA records such a run of command-buffer compatible custom calls into a command buffer
+    # (a CUDA graph) and replays it at each execution, here twice with different inputs.
+    # Each execution must give what the calls give one at a time.
+    calls = 6
+    attrs = attributes(128)
+    ffi_attrs = ffi_attributes(attrs)
+    first = make_inputs(MIXED, 8, 2, 128, 16, torch.bfloat16, seed=1)
+    second = make_inputs(MIXED, 8, 2, 128, 16, torch.bfloat16, seed=2)
+    args = [to_jax(t) for t in first]
+    out_type = (jax.ShapeDtypeStruct(args[0].shape, args[0].dtype),
+                workspace_type(args, ffi_attrs))
+    call = functools.partial(jax.ffi.ffi_call(TARGET, out_type), **ffi_attrs)
+
+    @jax.jit
+    def chain(q, *rest):
+        for _ in range(calls):
+            q = call(q, *rest)[0]
+        return q
+
+    if PLATFORM != "cpu":
+        assert "command_buffer" in chain.lower(*args).compile().as_text()
+    for inputs in (first, second):
+        expected = inputs
+        for _ in range(calls):
+            expected = [run(expected, attrs), *expected[1:]]
+        out = to_torch(jax.block_until_ready(chain(*[to_jax(t) for t in inputs])))
+        assert torch.equal(out, expected[0])
 
 
 @pytest.mark.parametrize("name,value", [

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/common/debug_checks_flag.h"
 #include "torch_xla_ext/csrc/pjrt_ffi_extension.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -24,6 +25,12 @@ std::string Version(int major, int minor) {
 
 bool Selected(const XlaExtKernel& kernel, const char* platform) {
   return platform == nullptr || std::strcmp(kernel.platform, platform) == 0;
+}
+
+// The traits a kernel is registered with: none in debug mode, where every call must
+// synchronise and report its own violation (so XLA may not record it into a command buffer).
+uint32_t Traits(const XlaExtKernel& kernel) {
+  return xla_ext::cuda::DebugChecksEnabled() ? 0 : kernel.traits;
 }
 
 // The table's i-th kernel: `kernels` has the library's own stride.
@@ -135,7 +142,7 @@ __attribute__((visibility("default"))) int xla_ext_bind_ffi_api(
     args.name = XLA_FFI_ByteSpan{kernel.target, std::strlen(kernel.target)};
     args.platform = XLA_FFI_ByteSpan{kernel.platform, std::strlen(kernel.platform)};
     args.bundle = XLA_FFI_Handler_Bundle{nullptr, nullptr, nullptr, kernel.handler};
-    args.traits = kernel.traits;
+    args.traits = Traits(kernel);
     if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args)) {
       XLA_FFI_Error_GetMessage_Args message;
       message.struct_size = XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE;
@@ -194,7 +201,7 @@ __attribute__((visibility("default"))) int xla_ext_bind_pjrt_plugin(
     args.handler = reinterpret_cast<void*>(kernel.handler);
     args.platform_name = kernel.platform;
     args.platform_name_size = std::strlen(kernel.platform);
-    args.traits = kernel.traits;
+    args.traits = Traits(kernel);
     if (PjrtError* error = ffi->register_handler(&args)) {
       PjrtErrorMessageArgs message{sizeof(PjrtErrorMessageArgs), nullptr, error, nullptr, 0};
       api->error_message(&message);

@@ -127,6 +127,7 @@ struct PreparedCall {
     c10::ScalarType scalar_type;
     XLA_FFI_DataType dtype;
     int written_operand;  // the operand whose buffer it is written into (aliasing), or -1
+    bool returned;        // false: the handler's workspace, dropped after the call
   };
   XLA_FFI_Handler* handler = nullptr;
   std::vector<Operand> operands;
@@ -135,7 +136,8 @@ struct PreparedCall {
 };
 
 // describe()'s tuple: (handler address, [(argument, dtype, absent tensor or None)],
-// [(shape, dtype, written operand)], [(name, dtype or -1 for a string, value bytes)]).
+// [(shape, dtype, written operand, returned)],
+// [(name, dtype or -1 for a string, value bytes)]).
 std::shared_ptr<const PreparedCall> Parse(const py::tuple& description) {
   auto call = std::make_shared<PreparedCall>();
   call->handler = reinterpret_cast<XLA_FFI_Handler*>(description[0].cast<uintptr_t>());
@@ -152,7 +154,8 @@ std::shared_ptr<const PreparedCall> Parse(const py::tuple& description) {
     call->results.push_back(PreparedCall::Result{result[0].cast<std::vector<int64_t>>(),
                                                  ScalarTypeOf(dtype),
                                                  static_cast<XLA_FFI_DataType>(dtype),
-                                                 result[2].cast<int>()});
+                                                 result[2].cast<int>(),
+                                                 result[3].cast<bool>()});
   }
   for (py::handle item : description[3]) {
     auto attribute = item.cast<py::tuple>();
@@ -309,7 +312,12 @@ class OpState {
       PyErr_SetString(error_type_.ptr(), error.c_str());
       throw py::error_already_set();
     }
-    return results;
+    std::vector<at::Tensor> returned;
+    returned.reserve(results.size());
+    for (size_t i = 0; i < results.size(); ++i) {
+      if (call.results[i].returned) returned.push_back(std::move(results[i]));
+    }
+    return returned;
   }
 
   // Never destroyed (see Register), so these need no GIL at exit.

@@ -1,0 +1,53 @@
+"""The workspace result of an op whose CUDA handler takes its scratch from one (OpDef.workspace).
+
+It is a uint8 vector that the front ends add to the custom call's results and drop from what
+they return. XLA allocates it with the call's other buffers, so XLA may record the call into a
+command buffer (a CUDA graph) and replay it; scratch allocated at every call could not be
+replayed. Its size is the handler's own planning for the call's shapes on the GPU, asked of the
+kernel library; off the GPU it is empty (the Host handlers need none).
+"""
+
+import ctypes
+import functools
+
+from torch_xla_ext import _kernels, dtypes
+from torch_xla_ext.errors import TorchXlaExtError
+
+ANY_GPU = -1  # size for whichever visible GPU needs the most
+
+
+def _shape(x):
+    return tuple(int(d) for d in x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _ragged_paged_attention_fn():
+    fn = _kernels.builtin_library().function("xla_ext_ragged_paged_attention_workspace_bytes")
+    fn.restype = ctypes.c_int64
+    fn.argtypes = ([ctypes.c_int] * 3 + [ctypes.POINTER(ctypes.c_int64)] * 3 +
+                   [ctypes.c_float, ctypes.c_int32] + [ctypes.c_float] * 4)
+    return fn
+
+
+@functools.lru_cache(maxsize=1024)
+def _ragged_paged_attention_bytes(gpu, q_dtype, kv_dtype, q_shape, kv_pages_shape,
+                                  page_indices_shape, attributes):
+    dims = [(ctypes.c_int64 * len(shape))(*shape)
+            for shape in (q_shape, kv_pages_shape, page_indices_shape)]
+    a = dict(attributes)
+    size = _ragged_paged_attention_fn()(
+        gpu, q_dtype, kv_dtype, *dims, a["sm_scale"], a["sliding_window"], a["soft_cap"],
+        a["mask_value"], a["k_scale"], a["v_scale"])
+    if size < 0:
+        raise TorchXlaExtError(
+            f"xla_ext.ragged_paged_attention: no CUDA kernel for q {q_shape} and kv_pages "
+            f"{kv_pages_shape} (dtypes {q_dtype}, {kv_dtype})")
+    return size
+
+
+def ragged_paged_attention(args, attributes, gpu):
+    """Bytes of workspace xla_ext.ragged_paged_attention's CUDA handler needs for the call."""
+    return _ragged_paged_attention_bytes(
+        gpu, dtypes.lookup(args["q"].dtype).ffi_id, dtypes.lookup(args["kv_pages"].dtype).ffi_id,
+        _shape(args["q"]), _shape(args["kv_pages"]), _shape(args["page_indices"]),
+        tuple(sorted((name, value.item()) for name, value in attributes.items())))
