@@ -46,8 +46,12 @@ def _ragged_paged_attention_bytes(gpu, q_dtype, kv_dtype, q_shape, kv_pages_shap
 
 
 def ragged_paged_attention(args, attributes, gpu):
-    """Bytes of workspace xla_ext.ragged_paged_attention's CUDA handler needs for the call."""
+    """Bytes of workspace xla_ext.ragged_paged_attention's CUDA handler needs for the call (0
+    for a call its checks reject, which takes none)."""
+    q, kv_pages, page_indices = (args[n] for n in ("q", "kv_pages", "page_indices"))
+    types = [dtypes.lookup(x.dtype) for x in (q, kv_pages)]
+    if None in types or (q.ndim, kv_pages.ndim, page_indices.ndim) != (3, 4, 2):
+        return 0
     return _ragged_paged_attention_bytes(
-        gpu, dtypes.lookup(args["q"].dtype).ffi_id, dtypes.lookup(args["kv_pages"].dtype).ffi_id,
-        _shape(args["q"]), _shape(args["kv_pages"]), _shape(args["page_indices"]),
+        gpu, types[0].ffi_id, types[1].ffi_id, _shape(q), _shape(kv_pages), _shape(page_indices),
         tuple(sorted((name, value.item()) for name, value in attributes.items())))

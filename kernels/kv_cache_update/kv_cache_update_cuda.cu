@@ -149,16 +149,21 @@ ffi::Error KvCacheUpdateSlicesCuda(cudaStream_t stream, ffi::AnyBuffer kv, ffi::
   return cuda::LastLaunchError(kSlicesTarget);
 }
 
-// Not marked command-buffer compatible: whether the cache is copied first depends on whether
-// XLA aliased the buffers (as for reshape_and_cache).
+// Command-buffer compatible: what the launches depend on besides the shapes (whether XLA
+// aliased the cache, the buffers' alignment) is the buffers' addresses, and XLA records a
+// custom call into a command buffer again when they change.
 XLA_FFI_DEFINE_HANDLER(kKvCacheUpdateCuda, KvCacheUpdateCuda,
-                       BindSlots(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                       BindSlots(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                       {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER(kKvCacheUpdateSlicesCuda, KvCacheUpdateSlicesCuda,
-                       BindSlices(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                       BindSlices(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace
 
-XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kKvCacheUpdateCuda, XLA_EXT_NO_TRAITS);
-XLA_EXT_REGISTER_KERNEL(kSlicesTarget, "CUDA", kKvCacheUpdateSlicesCuda, XLA_EXT_NO_TRAITS);
+XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kKvCacheUpdateCuda,
+                        XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+XLA_EXT_REGISTER_KERNEL(kSlicesTarget, "CUDA", kKvCacheUpdateSlicesCuda,
+                        XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
 }  // namespace xla_ext::kv_cache_update

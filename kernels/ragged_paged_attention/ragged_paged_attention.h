@@ -107,15 +107,6 @@ struct Shapes {
   int64_t capacity() const { return pages_per_seq * page_size; }
 };
 
-// The shapes of a call whose q, kv_pages and page_indices have these dimensions (the checks
-// are Check's).
-template <typename Dims>
-Shapes ShapesOf(const Dims& q, const Dims& kv_pages, const Dims& page_indices,
-                ffi::DataType kv_type) {
-  return Shapes{q[0], q[1], q[2], kv_pages[0], kv_pages[1], kv_pages[2] / 2, page_indices[0],
-                page_indices[1], kv_type == ffi::DataType::F8E4M3FN};
-}
-
 inline ffi::Error CheckWorkspace(const ffi::AnyBuffer& workspace) {
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "workspace", workspace, ffi::DataType::U8));
   return CheckRank(kTarget, "workspace", workspace, 1);
@@ -185,7 +176,7 @@ inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
   const auto qd = q.dimensions();
   const auto kd = kv_pages.dimensions();
   const auto pd = page_indices.dimensions();
-  shapes = ShapesOf(qd, kd, pd, kv_type);
+  shapes = Shapes{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2] / 2, pd[0], pd[1], fp8_kv};
 
   if (!IsSupportedHeadDim(shapes.head_dim)) {
     return ArgumentError(kTarget, "q", "head_dim (dim 2) 64, 80, 96, 112, 128, 192 or 256",

@@ -398,7 +398,6 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::
 // The bytes of workspace a call needs on `device`: the handler's own planning, with a
 // measuring workspace and nothing launched. -1 where the handler has no kernel for it.
 int64_t WorkspaceBytesOn(int device, const Shapes& s, ffi::DataType q_type, const Attrs& attrs) {
-  if (s.num_tokens == 0 || s.num_q_heads == 0) return 0;  // the handler launches nothing
   const cuda::DeviceGuard guard(device);
   const std::optional<cuda::DeviceInfo> info = cuda::DeviceInfoOf(device);
   if (!guard.ok() || !info.has_value()) return 0;
@@ -427,8 +426,8 @@ XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kRaggedPagedAttentionCuda,
 // For the front ends, which size the op's workspace result when they build the call: the bytes
 // a call with these shapes (q [3], kv_pages [4] and page_indices [2] dimensions; q's and
 // kv_pages' XLA_FFI_DataType) and attributes needs on CUDA device `device`, or with device -1
-// the most any visible device needs; 0 where no device is visible; -1 where the CUDA handler
-// has no kernel for the call.
+// the most any visible device needs; 0 where no device is visible or where the handler rejects
+// the call before it takes any; -1 where the CUDA handler has no kernel for the call.
 extern "C" __attribute__((visibility("default"))) int64_t
 xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_dtype,
                                                const int64_t* q_dims,
@@ -437,10 +436,34 @@ xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_d
                                                int32_t sliding_window, float soft_cap,
                                                float mask_value, float k_scale, float v_scale) {
   namespace rpa = xla_ext::ragged_paged_attention;
-  const auto q_type = static_cast<xla::ffi::DataType>(q_dtype);
-  const rpa::Shapes s = rpa::ShapesOf(q_dims, kv_pages_dims, page_indices_dims,
-                                      static_cast<xla::ffi::DataType>(kv_dtype));
+  // The call's buffers as the handler sees them, without data, for its checks: a call they
+  // reject takes no workspace.
+  const auto buffer = [](int dtype, const int64_t* dims, int64_t rank) {
+    return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
+                          static_cast<XLA_FFI_DataType>(dtype), nullptr, rank,
+                          const_cast<int64_t*>(dims)};
+  };
+  const int64_t max_num_seqs = page_indices_dims[0];
+  const int64_t kv_lens_dims[] = {max_num_seqs};
+  const int64_t cu_q_lens_dims[] = {max_num_seqs + 1};
+  const int64_t num_seqs_dims[] = {1};
+  const XLA_FFI_Buffer q = buffer(q_dtype, q_dims, 3);
+  const XLA_FFI_Buffer kv_pages = buffer(kv_dtype, kv_pages_dims, 4);
+  const XLA_FFI_Buffer kv_lens = buffer(XLA_FFI_DataType_S32, kv_lens_dims, 1);
+  const XLA_FFI_Buffer page_indices = buffer(XLA_FFI_DataType_S32, page_indices_dims, 2);
+  const XLA_FFI_Buffer cu_q_lens = buffer(XLA_FFI_DataType_S32, cu_q_lens_dims, 1);
+  const XLA_FFI_Buffer num_seqs = buffer(XLA_FFI_DataType_S32, num_seqs_dims, 1);
   const rpa::Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
+  rpa::Shapes s;
+  if (rpa::Check(xla::ffi::AnyBuffer(&q), xla::ffi::AnyBuffer(&kv_pages),
+                 xla::ffi::AnyBuffer(&kv_lens), xla::ffi::AnyBuffer(&page_indices),
+                 xla::ffi::AnyBuffer(&cu_q_lens), xla::ffi::AnyBuffer(&num_seqs),
+                 xla::ffi::AnyBuffer(&q), attrs, s)
+          .failure() ||
+      s.num_tokens == 0 || s.num_q_heads == 0) {
+    return 0;
+  }
+  const auto q_type = static_cast<xla::ffi::DataType>(q_dtype);
   if (device >= 0) return rpa::WorkspaceBytesOn(device, s, q_type, attrs);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess) {

@@ -1,6 +1,8 @@
 """xla_ext.kv_cache_update and xla_ext.kv_cache_update_slices through JAX's XLA against the
 references: bit-exact copies into the combined cache, in place when the cache is donated."""
 
+import functools
+
 import jax
 import pytest
 import torch
@@ -160,3 +162,43 @@ def test_vmap_over_layers_writes_each_layers_cache():
     got = to_torch(jax.jit(jax.vmap(xla_ext_jax.kv_cache_update))(*map(to_jax, stacked)))
     for i, layer in enumerate(layers):
         assert_same(got[i], reference.kv_cache_update_ref(*layer))
+
+
+STEPS = 6
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["copied", "donated"])
+def test_chain_in_one_executable(donate):
+    # Several writes in one jitted function, each into the cache the previous one wrote: on
+    # the GPU XLA records such a run of command-buffer compatible custom calls into a command
+    # buffer (a CUDA graph) and replays it at each execution, here twice with new inputs, the
+    # cache copied first (not donated) or written in place. Each execution must give what the
+    # writes give one at a time.
+    @functools.partial(jax.jit, donate_argnums=(2, 6) if donate else ())
+    def chain(keys, values, cache, slots, kvs, slices, slice_cache, num_slices):
+        for i in range(STEPS):
+            cache = xla_ext_jax.kv_cache_update(keys[i], values[i], cache, slots[i])
+            slice_cache = xla_ext_jax.kv_cache_update_slices(kvs[i], slices, slice_cache,
+                                                             num_slices, 8, 4)
+        return cache, slice_cache
+
+    for seed in (1, 2):
+        writes = [make_slot_inputs(10, 2, 128, 4, 16, torch.bfloat16, seed=10 * seed + i)
+                  for i in range(STEPS)]
+        slice_writes = [make_slice_inputs(torch.bfloat16, seed=10 * seed + i)
+                        for i in range(STEPS)]
+        cache = want = writes[0][2]
+        slices, slice_cache, num_slices = slice_writes[0][1:]
+        want_slices = slice_cache
+        for (key, value, _, slots), (kv, *_) in zip(writes, slice_writes):
+            want = reference.kv_cache_update_ref(key, value, want, slots)
+            want_slices = reference.kv_cache_update_slices_ref(kv, slices, want_slices,
+                                                               num_slices)
+        got, got_slices = chain(*[to_jax(torch.stack([w[j] for w in writes])) for j in (0, 1)],
+                                jax.numpy.copy(to_jax(cache)),
+                                to_jax(torch.stack([w[3] for w in writes])),
+                                to_jax(torch.stack([w[0] for w in slice_writes])),
+                                to_jax(slices), jax.numpy.copy(to_jax(slice_cache)),
+                                to_jax(num_slices))
+        assert_same(to_torch(got), want)
+        assert_same(to_torch(got_slices), want_slices)

@@ -403,7 +403,9 @@ def test_chain_in_one_executable():
     # Several calls in one jitted function, each call's output the next one's q: on the GPU
     # XLA records such a run of command-buffer compatible custom calls into a command buffer
     # (a CUDA graph) and replays it at each execution, here twice with different inputs.
-    # Each execution must give what the calls give one at a time.
+    # Each execution must give what the calls give one at a time. (The optimised HLO does not
+    # show the command buffers, which XLA forms from the thunks; that the calls are recorded
+    # shows in their time: bench/README.md, "Ragged paged attention".)
     calls = 6
     attrs = attributes(128)
     ffi_attrs = ffi_attributes(attrs)
@@ -420,8 +422,6 @@ def test_chain_in_one_executable():
             q = call(q, *rest)[0]
         return q
 
-    if PLATFORM != "cpu":
-        assert "command_buffer" in chain.lower(*args).compile().as_text()
     for inputs in (first, second):
         expected = inputs
         for _ in range(calls):
