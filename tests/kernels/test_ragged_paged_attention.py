@@ -253,12 +253,14 @@ def test_no_tokens():
     assert run(inputs, attributes(64)).shape == (0, 4, 64)
 
 
+# Few query rows over a large page table: on CUDA their kv ranges are split into partitions
+# and combined. Lengths below, at and past partition edges, a prefill chunk too.
+LONG_ROWS = [(1, 3000), (1, 1), (1, 2049), (30, 1500), (1, 512)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_long_rows(dtype):
-    # On CUDA, few query rows over a large page table are split into partitions of the kv
-    # range and combined: lengths below, at and past partition edges, a prefill chunk too.
-    check([(1, 3000), (1, 1), (1, 2049), (30, 1500), (1, 512)], 4, 2, 128, 16, dtype,
-          pages_per_seq=200)
+    check(LONG_ROWS, 4, 2, 128, 16, dtype, pages_per_seq=200)
 
 
 def test_long_rows_with_window_and_soft_cap():
@@ -387,8 +389,9 @@ def test_rejects_workspace_of_other_dtype():
                     "workspace: any size is enough")
 def test_workspace_size_is_what_the_handler_takes():
     # The size the front ends ask the library for is the handler's own planning: one byte
-    # less is refused before anything is launched.
-    inputs = make_inputs(MIXED, 8, 2, 128, 16, torch.bfloat16)
+    # less is refused before anything is launched. Few rows over long sequences: every
+    # kernel takes scratch for them (the CUDA-core one splits their kv ranges).
+    inputs = make_inputs(LONG_ROWS, 4, 2, 128, 16, torch.bfloat16, pages_per_seq=200)
     attrs = attributes(128)
     needed = workspace_type([to_jax(t) for t in inputs], ffi_attributes(attrs)).shape[0]
     assert needed > 0
