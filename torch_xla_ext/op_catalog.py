@@ -48,6 +48,7 @@ PAGED_ATTENTION = OpDef(
     absent={"alibi_slopes": ((0,), "float32")},  # the handlers read [0] elements as no ALiBi
     attributes={"scale": "float32", "softcap": "float32"},
     results=_same_as("query"),
+    workspace=workspace.paged_attention,
     check=checks.paged_attention,
     layout=Layout(
         operands={"query": "seqs (kv_heads group) head_size",

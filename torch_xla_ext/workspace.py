@@ -11,7 +11,6 @@ import ctypes
 import functools
 
 from torch_xla_ext import _kernels, dtypes
-from torch_xla_ext.errors import TorchXlaExtError
 
 ANY_GPU = -1  # size for whichever visible GPU needs the most
 
@@ -20,29 +19,49 @@ def _shape(x):
     return tuple(int(d) for d in x.shape)
 
 
+def _dims(*shapes):
+    return [(ctypes.c_int64 * len(shape))(*shape) for shape in shapes]
+
+
 @functools.lru_cache(maxsize=None)
-def _ragged_paged_attention_fn():
-    fn = _kernels.builtin_library().function("xla_ext_ragged_paged_attention_workspace_bytes")
+def _function(name, *argtypes):
+    """The kernel library's exported size query `name`, which returns int64 bytes."""
+    fn = _kernels.builtin_library().function(name)
     fn.restype = ctypes.c_int64
-    fn.argtypes = ([ctypes.c_int] * 3 + [ctypes.POINTER(ctypes.c_int64)] * 3 +
-                   [ctypes.c_float, ctypes.c_int32] + [ctypes.c_float] * 4)
+    fn.argtypes = list(argtypes)
     return fn
+
+
+_DIMS = ctypes.POINTER(ctypes.c_int64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _paged_attention_bytes(gpu, dtype, query_shape, cache_shape, block_tables_shape):
+    fn = _function("xla_ext_paged_attention_workspace_bytes", ctypes.c_int, ctypes.c_int,
+                   _DIMS, _DIMS, _DIMS)
+    return fn(gpu, dtype, *_dims(query_shape, cache_shape, block_tables_shape))
+
+
+def paged_attention(args, attributes, gpu):
+    """Bytes of workspace xla_ext.paged_attention's CUDA handler needs for the call (0 for a
+    call its checks reject, which takes none)."""
+    query, cache, tables = (args[n] for n in ("query", "key_cache", "block_tables"))
+    dtype = dtypes.lookup(query.dtype)
+    if dtype is None or (query.ndim, cache.ndim, tables.ndim) != (3, 4, 2):
+        return 0
+    return _paged_attention_bytes(gpu, dtype.ffi_id, _shape(query), _shape(cache), _shape(tables))
 
 
 @functools.lru_cache(maxsize=1024)
 def _ragged_paged_attention_bytes(gpu, q_dtype, kv_dtype, q_shape, kv_pages_shape,
                                   page_indices_shape, attributes):
-    dims = [(ctypes.c_int64 * len(shape))(*shape)
-            for shape in (q_shape, kv_pages_shape, page_indices_shape)]
+    fn = _function("xla_ext_ragged_paged_attention_workspace_bytes", ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, _DIMS, _DIMS, _DIMS, ctypes.c_float, ctypes.c_int32,
+                   ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float)
     a = dict(attributes)
-    size = _ragged_paged_attention_fn()(
-        gpu, q_dtype, kv_dtype, *dims, a["sm_scale"], a["sliding_window"], a["soft_cap"],
-        a["mask_value"], a["k_scale"], a["v_scale"])
-    if size < 0:
-        raise TorchXlaExtError(
-            f"xla_ext.ragged_paged_attention: no CUDA kernel for q {q_shape} and kv_pages "
-            f"{kv_pages_shape} (dtypes {q_dtype}, {kv_dtype})")
-    return size
+    return fn(gpu, q_dtype, kv_dtype, *_dims(q_shape, kv_pages_shape, page_indices_shape),
+              a["sm_scale"], a["sliding_window"], a["soft_cap"], a["mask_value"], a["k_scale"],
+              a["v_scale"])
 
 
 def ragged_paged_attention(args, attributes, gpu):

@@ -97,33 +97,6 @@ struct PartialResults {
   }
 };
 
-// `count` elements of T from XLA's scratch allocator into `buffer`, or ResourceExhausted naming
-// `op` and `what` they are for.
-template <typename T>
-::xla::ffi::Error AllocateScratch(::xla::ffi::ScratchAllocator& scratch, std::string_view op,
-                                  int64_t count, std::string_view what, T*& buffer) {
-  const size_t bytes = static_cast<size_t>(count) * sizeof(T);
-  // XLA refuses alignments above 16 bytes (its FFI DeviceMemory_Allocate).
-  std::optional<void*> allocated = scratch.Allocate(bytes, 16);
-  if (!allocated.has_value()) {
-    return ::xla::ffi::Error(::xla::ffi::ErrorCode::kResourceExhausted,
-                             std::string(op) + ": cannot allocate " + std::to_string(bytes) +
-                                 " bytes of scratch for " + std::string(what));
-  }
-  buffer = static_cast<T*>(*allocated);
-  return ::xla::ffi::Error::Success();
-}
-
-inline ::xla::ffi::Error AllocatePartials(::xla::ffi::ScratchAllocator& scratch,
-                                          std::string_view op, int64_t slots, int64_t head_size,
-                                          PartialResults& partials) {
-  float* buffer = nullptr;
-  XLA_EXT_RETURN_IF_ERROR(AllocateScratch(scratch, op, PartialResults::Floats(slots, head_size),
-                                          "the partitions", buffer));
-  partials = PartialResults::In(buffer, slots, head_size);
-  return ::xla::ffi::Error::Success();
-}
-
 // A call's scratch, carved out of one buffer its caller sized: the op's workspace result,
 // which XLA allocates with the call's other buffers, so that a command buffer (CUDA graph)
 // can record the call and replay it (scratch from the ScratchAllocator would be another

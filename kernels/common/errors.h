@@ -77,6 +77,14 @@ inline ffi::Error CheckSameShape(std::string_view op, std::string_view arg,
                        "shape " + ShapeString(dims));
 }
 
+// The workspace result of a CUDA handler that takes its scratch from one (cuda::Workspace):
+// bytes, a u8 vector. The Host handlers bind it too (the two platforms' calls are the same).
+inline ffi::Error CheckWorkspace(std::string_view op, const ffi::AnyBuffer& workspace) {
+  ffi::Error dtype = CheckDType(op, "workspace", workspace, ffi::DataType::U8);
+  if (dtype.failure()) return dtype;
+  return CheckRank(op, "workspace", workspace, 1);
+}
+
 inline bool IsFloatType(ffi::DataType dtype) {
   return dtype == ffi::DataType::F32 || dtype == ffi::DataType::F16 ||
          dtype == ffi::DataType::BF16;

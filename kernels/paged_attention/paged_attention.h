@@ -10,6 +10,11 @@
 //   alibi_slopes  f32 [num_heads], or [0] for no ALiBi
 //   attrs         scale (f32), softcap (f32, 0 = off)
 //   out           [num_seqs, num_heads, head_size], dtype of query
+//   workspace     [bytes] u8: the CUDA handler's scratch (the split sequences' partial
+//                 results), so that XLA allocates it with the call's other buffers and a command
+//                 buffer can replay the call; the front ends size it
+//                 (xla_ext_paged_attention_workspace_bytes) and drop it. Too small:
+//                 InvalidArgument. The Host handler needs none (any size).
 //
 // For query head h (kv head h / (num_heads / num_kv_heads)) and token t < seq_len:
 //   logit = scale * q.k_t; if softcap > 0: logit = softcap * tanh(logit / softcap);
@@ -181,7 +186,7 @@ struct SequenceChecks {
   }
 };
 
-// Both platforms bind the same arguments, result and attributes, after their contexts.
+// Both platforms bind the same arguments, results and attributes, after their contexts.
 template <typename Binding>
 auto Bind(Binding binding) {
   return std::move(binding)
@@ -192,6 +197,7 @@ auto Bind(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // seq_lens
       .template Arg<ffi::AnyBuffer>()  // alibi_slopes
       .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // workspace
       .template Attr<float>("scale")
       .template Attr<float>("softcap");
 }

@@ -91,48 +91,22 @@ ffi::Error DispatchKernels(ffi::DataType dtype, int64_t head_size, Fn&& fn) {
                : NoKernelError(kTarget, "head_size", std::to_string(head_size));
 }
 
-ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                              ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
-                              ffi::AnyBuffer value_cache, ffi::AnyBuffer block_tables,
-                              ffi::AnyBuffer seq_lens, ffi::AnyBuffer alibi_slopes,
-                              ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
-  Shapes s;
-  XLA_EXT_RETURN_IF_ERROR(
-      Check(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, *out, s));
-  if (cuda::DebugChecksEnabled()) {
-    XLA_EXT_RETURN_IF_ERROR(
-        cuda::DebugCheck(kTarget, stream, SequenceChecks::For(s, block_tables, seq_lens)));
-  }
-  if (s.num_seqs == 0 || s.num_heads == 0) return ffi::Error::Success();
-  // 16-byte row loads and copies: XLA's buffers are aligned; a misaligned view would fault.
-  const uintptr_t addresses = reinterpret_cast<uintptr_t>(query.untyped_data()) |
-                              reinterpret_cast<uintptr_t>(key_cache.untyped_data()) |
-                              reinterpret_cast<uintptr_t>(value_cache.untyped_data());
-  if (addresses % 16 != 0) {
-    return ArgumentError(kTarget, "query, key_cache, value_cache", "16-byte aligned buffers",
-                         "a misaligned buffer");
-  }
-
-  const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo();
-  Plan plan;
+// The call's plan, and its parameters but for the buffers' addresses, with the scratch taken
+// from `workspace` (counted only, while it measures).
+ffi::Error PlanCall(const Shapes& s, ffi::DataType dtype, float scale, float softcap,
+                    const std::optional<cuda::DeviceInfo>& device, cuda::Workspace& workspace,
+                    Plan& plan, Params& p) {
   XLA_EXT_RETURN_IF_ERROR(DispatchKernels(
-      query.element_type(), s.head_size, [&](auto kernels) { plan = kernels.MakePlan(s, device); }));
+      dtype, s.head_size, [&](auto kernels) { plan = kernels.MakePlan(s, device); }));
   const int64_t records = plan.tensor_core.has_value()
                               ? tensor_core::NumRecords(*plan.tensor_core, s.num_seqs)
                               : s.num_seqs * plan.num_partitions;
   if (records > INT32_MAX) {  // grid dimensions and record numbers
     return ArgumentError(kTarget, "block_tables", "num_seqs * partitions < 2^31",
-                         "shape " + ShapeString(block_tables.dimensions()));
+                         std::to_string(s.num_seqs) + " sequences of " +
+                             std::to_string(s.max_blocks_per_seq) + " blocks");
   }
-
-  Params p{};
-  p.query = query.untyped_data();
-  p.key_cache = key_cache.untyped_data();
-  p.value_cache = value_cache.untyped_data();
-  p.block_tables = static_cast<const int32_t*>(block_tables.untyped_data());
-  p.seq_lens = static_cast<const int32_t*>(seq_lens.untyped_data());
-  p.alibi_slopes = s.has_alibi ? static_cast<const float*>(alibi_slopes.untyped_data()) : nullptr;
-  p.out = out->untyped_data();
+  p = Params{};
   p.num_seqs = static_cast<int>(s.num_seqs);
   p.num_heads = static_cast<int>(s.num_heads);
   p.num_kv_heads = static_cast<int>(s.num_kv_heads);
@@ -141,42 +115,131 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.log2_block_size = s.block_size == 8 ? 3 : s.block_size == 16 ? 4 : 5;
   p.partition_len = plan.partition_len;
   p.num_partitions = static_cast<int>(plan.num_partitions);
+  p.num_records = static_cast<int>(records);
   p.scale = scale;
   p.softcap = softcap;
   p.out_scale = 1.0f;
-
-  if (plan.tensor_core.has_value()) {
-    // Records CTA + sequence (balanced_split.cuh), and where each sequence's are.
-    p.num_records = static_cast<int>(records);
-    XLA_EXT_RETURN_IF_ERROR(cuda::AllocateScratch(scratch, kTarget, s.num_seqs,
-                                                  "the sequences' records", p.seq_records));
-  } else {
-    p.num_records = static_cast<int>(records);
-  }
+  // Records CTA + sequence (balanced_split.cuh), and where each sequence's are.
+  if (plan.tensor_core.has_value()) p.seq_records = workspace.Take<int2>(s.num_seqs);
   if (plan.tensor_core.has_value() || p.num_partitions > 1) {
-    cuda::PartialResults partials;
-    XLA_EXT_RETURN_IF_ERROR(cuda::AllocatePartials(
-        scratch, kTarget, s.num_heads * p.num_records, s.head_size, partials));
+    const int64_t slots = s.num_heads * p.num_records;
+    const cuda::PartialResults partials = cuda::PartialResults::In(
+        workspace.Take<float>(cuda::PartialResults::Floats(slots, s.head_size)), slots,
+        s.head_size);
     p.partial_out = partials.out;
     p.partial_max = partials.max;
     p.partial_sum = partials.sum;
   }
+  return ffi::Error::Success();
+}
 
+ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
+                              ffi::AnyBuffer value_cache, ffi::AnyBuffer block_tables,
+                              ffi::AnyBuffer seq_lens, ffi::AnyBuffer alibi_slopes,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> workspace, float scale, float softcap) {
+  Shapes s;
+  XLA_EXT_RETURN_IF_ERROR(
+      Check(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, *out, s));
+  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(kTarget, *workspace));
+  if (cuda::DebugChecksEnabled()) {
+    XLA_EXT_RETURN_IF_ERROR(
+        cuda::DebugCheck(kTarget, stream, SequenceChecks::For(s, block_tables, seq_lens)));
+  }
+  if (s.num_seqs == 0 || s.num_heads == 0) return ffi::Error::Success();
+  // 16-byte row loads and copies: XLA's buffers are aligned; a misaligned view would fault.
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(query.untyped_data()) |
+                              reinterpret_cast<uintptr_t>(key_cache.untyped_data()) |
+                              reinterpret_cast<uintptr_t>(value_cache.untyped_data()) |
+                              reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  if (addresses % 16 != 0) {
+    return ArgumentError(kTarget, "query, key_cache, value_cache, workspace",
+                         "16-byte aligned buffers", "a misaligned buffer");
+  }
+
+  cuda::Workspace scratch(workspace->untyped_data(), workspace->size_bytes());
+  Plan plan;
+  Params p;
+  XLA_EXT_RETURN_IF_ERROR(PlanCall(s, query.element_type(), scale, softcap,
+                                   cuda::CurrentDeviceInfo(), scratch, plan, p));
+  XLA_EXT_RETURN_IF_ERROR(scratch.CheckFits(kTarget, "workspace"));
+  p.query = query.untyped_data();
+  p.key_cache = key_cache.untyped_data();
+  p.value_cache = value_cache.untyped_data();
+  p.block_tables = static_cast<const int32_t*>(block_tables.untyped_data());
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.untyped_data());
+  p.alibi_slopes = s.has_alibi ? static_cast<const float*>(alibi_slopes.untyped_data()) : nullptr;
+  p.out = out->untyped_data();
   XLA_EXT_RETURN_IF_ERROR(DispatchKernels(query.element_type(), s.head_size, [&](auto kernels) {
     kernels.Launch(p, plan, s, stream);
   }));
   return cuda::LastLaunchError(kTarget);
 }
 
-// Not command-buffer compatible: the scratch for the partitions comes from the
-// ScratchAllocator at every call, which a recorded command buffer cannot repeat.
+// Not in a CUDA graph's way: no host synchronisation, and its scratch is the workspace result
+// (XLA's own buffer), not an allocation at every call.
 XLA_FFI_DEFINE_HANDLER(kPagedAttentionCuda, PagedAttentionCuda,
-                       Bind(ffi::Ffi::Bind()
-                                .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                .Ctx<ffi::ScratchAllocator>()));
+                       Bind(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace
 
-XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kPagedAttentionCuda, XLA_EXT_NO_TRAITS);
+XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kPagedAttentionCuda,
+                        XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 
 }  // namespace xla_ext::paged_attention
+
+// For the front ends, which size the op's workspace result when they build the call: the bytes
+// a call with these shapes (query [3], key_cache [4] and block_tables [2] dimensions; the
+// query's XLA_FFI_DataType, which the caches share) needs on CUDA device `device`, or with
+// device -1 the most any visible device needs; 0 where no device is visible or where the
+// handler rejects the call before it takes any.
+extern "C" __attribute__((visibility("default"))) int64_t xla_ext_paged_attention_workspace_bytes(
+    int device, int dtype, const int64_t* query_dims, const int64_t* cache_dims,
+    const int64_t* block_tables_dims) {
+  namespace pa = xla_ext::paged_attention;
+  // The call's buffers as the handler sees them, without data, for its checks.
+  const auto buffer = [](int type, const int64_t* dims, int64_t rank) {
+    return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(type),
+                          nullptr, rank, const_cast<int64_t*>(dims)};
+  };
+  const int64_t seq_lens_dims[] = {block_tables_dims[0]};
+  const int64_t no_alibi_dims[] = {0};
+  const XLA_FFI_Buffer query = buffer(dtype, query_dims, 3);
+  const XLA_FFI_Buffer cache = buffer(dtype, cache_dims, 4);
+  const XLA_FFI_Buffer block_tables = buffer(XLA_FFI_DataType_S32, block_tables_dims, 2);
+  const XLA_FFI_Buffer seq_lens = buffer(XLA_FFI_DataType_S32, seq_lens_dims, 1);
+  const XLA_FFI_Buffer alibi = buffer(XLA_FFI_DataType_F32, no_alibi_dims, 1);
+  pa::Shapes s;
+  if (pa::Check(xla::ffi::AnyBuffer(&query), xla::ffi::AnyBuffer(&cache),
+                xla::ffi::AnyBuffer(&cache), xla::ffi::AnyBuffer(&block_tables),
+                xla::ffi::AnyBuffer(&seq_lens), xla::ffi::AnyBuffer(&alibi),
+                xla::ffi::AnyBuffer(&query), s)
+          .failure() ||
+      s.num_seqs == 0 || s.num_heads == 0) {
+    return 0;
+  }
+  const auto bytes_on = [&](int d) -> int64_t {
+    const xla_ext::cuda::DeviceGuard guard(d);
+    const std::optional<xla_ext::cuda::DeviceInfo> info = xla_ext::cuda::DeviceInfoOf(d);
+    if (!guard.ok() || !info.has_value()) return 0;
+    xla_ext::cuda::Workspace measuring = xla_ext::cuda::Workspace::Measuring();
+    pa::Plan plan;
+    pa::Params p;
+    if (pa::PlanCall(s, static_cast<xla::ffi::DataType>(dtype), 1.0f, 0.0f, info, measuring,
+                     plan, p)
+            .failure()) {
+      return 0;  // the handler rejects it
+    }
+    return static_cast<int64_t>(measuring.used());
+  };
+  if (device >= 0) return bytes_on(device);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: nothing needs a workspace
+    return 0;
+  }
+  int64_t most = 0;
+  for (int d = 0; d < devices; ++d) most = std::max(most, bytes_on(d));
+  return most;
+}

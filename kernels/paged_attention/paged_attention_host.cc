@@ -62,10 +62,12 @@ void Attend(const Shapes& s, const T* query, const T* key_cache, const T* value_
 ffi::Error PagedAttentionHost(ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
                               ffi::AnyBuffer value_cache, ffi::AnyBuffer block_tables,
                               ffi::AnyBuffer seq_lens, ffi::AnyBuffer alibi_slopes,
-                              ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> workspace, float scale, float softcap) {
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, *out, s));
+  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(kTarget, *workspace));  // the CUDA handler's
   XLA_EXT_RETURN_IF_ERROR(FirstViolation(SequenceChecks::For(s, block_tables, seq_lens)));
   const auto* tables = static_cast<const int32_t*>(block_tables.untyped_data());
   const auto* lens = static_cast<const int32_t*>(seq_lens.untyped_data());

@@ -107,10 +107,6 @@ struct Shapes {
   int64_t capacity() const { return pages_per_seq * page_size; }
 };
 
-inline ffi::Error CheckWorkspace(const ffi::AnyBuffer& workspace) {
-  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "workspace", workspace, ffi::DataType::U8));
-  return CheckRank(kTarget, "workspace", workspace, 1);
-}
 
 struct Attrs {
   float sm_scale;

@@ -362,7 +362,7 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
-  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(*workspace));
+  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(kTarget, *workspace));
   if (cuda::DebugChecksEnabled()) {
     XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
         kTarget, stream, DataChecks::For(s, kv_lens, page_indices, cu_q_lens, num_seqs)));
@@ -396,7 +396,8 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::
 }
 
 // The bytes of workspace a call needs on `device`: the handler's own planning, with a
-// measuring workspace and nothing launched. -1 where the handler has no kernel for it.
+// measuring workspace and nothing launched. 0 where the handler has no kernel for it (it
+// reports that itself).
 int64_t WorkspaceBytesOn(int device, const Shapes& s, ffi::DataType q_type, const Attrs& attrs) {
   const cuda::DeviceGuard guard(device);
   const std::optional<cuda::DeviceInfo> info = cuda::DeviceInfoOf(device);
@@ -406,8 +407,7 @@ int64_t WorkspaceBytesOn(int device, const Shapes& s, ffi::DataType q_type, cons
   const BatchParams p = MakeBatchParams(s, attrs);
   const ffi::Error planned = Dispatch(q_type, s.fp8_kv, s.head_dim,
                                       [&](auto kernels) { return kernels.Launch(p, call); });
-  if (planned.failure()) return -1;
-  return static_cast<int64_t>(measuring.used());
+  return planned.failure() ? 0 : static_cast<int64_t>(measuring.used());
 }
 
 // Not in a CUDA graph's way: no host synchronisation, and its scratch is the workspace result
@@ -427,7 +427,7 @@ XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kRaggedPagedAttentionCuda,
 // a call with these shapes (q [3], kv_pages [4] and page_indices [2] dimensions; q's and
 // kv_pages' XLA_FFI_DataType) and attributes needs on CUDA device `device`, or with device -1
 // the most any visible device needs; 0 where no device is visible or where the handler rejects
-// the call before it takes any; -1 where the CUDA handler has no kernel for the call.
+// the call before it takes any.
 extern "C" __attribute__((visibility("default"))) int64_t
 xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_dtype,
                                                const int64_t* q_dims,
@@ -472,9 +472,7 @@ xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_d
   }
   int64_t most = 0;
   for (int d = 0; d < devices; ++d) {
-    const int64_t bytes = rpa::WorkspaceBytesOn(d, s, q_type, attrs);
-    if (bytes < 0) return -1;
-    most = std::max(most, bytes);
+    most = std::max(most, rpa::WorkspaceBytesOn(d, s, q_type, attrs));
   }
   return most;
 }

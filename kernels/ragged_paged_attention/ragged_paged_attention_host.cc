@@ -148,7 +148,7 @@ ffi::Error RaggedPagedAttentionHost(ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
-  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(*workspace));  // the CUDA handler's; unused here
+  XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(kTarget, *workspace));  // the CUDA handler's; unused here
   const auto* lens = static_cast<const int32_t*>(kv_lens.untyped_data());
   const auto* pages = static_cast<const int32_t*>(page_indices.untyped_data());
   const auto* cu = static_cast<const int32_t*>(cu_q_lens.untyped_data());

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_plugins
-from torch_xla_ext import _kernels, binders
+from torch_xla_ext import _kernels, binders, op_catalog, workspace
 from torch_xla_ext.binders.pjrt_plugin import PjrtPluginRuntime
 
 
@@ -49,10 +49,14 @@ def main():
     query = rng.standard_normal((2, heads, head), np.float32)
     block_tables = np.array([[3, 1, 0], [5, 2, 7]], np.int32)
     seq_lens = np.array([20, 40], np.int32)
-    out = jax.ffi.ffi_call("xla_ext.paged_attention",
-                           jax.ShapeDtypeStruct(query.shape, query.dtype))(
-        query, key_cache, value_cache, block_tables, seq_lens, np.zeros((0,), np.float32),
-        scale=np.float32(0.125), softcap=np.float32(0.0))
+    # Its scratch is a last result the front ends size and drop (torch_xla_ext/workspace.py).
+    operands = (query, key_cache, value_cache, block_tables, seq_lens, np.zeros((0,), np.float32))
+    workspace_bytes = workspace.paged_attention(
+        dict(zip(op_catalog.PAGED_ATTENTION.operands, operands)), {}, workspace.ANY_GPU)
+    out, _ = jax.ffi.ffi_call("xla_ext.paged_attention",
+                              (jax.ShapeDtypeStruct(query.shape, query.dtype),
+                               jax.ShapeDtypeStruct((workspace_bytes,), np.uint8)))(
+        *operands, scale=np.float32(0.125), softcap=np.float32(0.0))
     want = np.zeros_like(query)
     for s in range(2):
         rows = np.concatenate([np.arange(b * block_size, (b + 1) * block_size)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests import reference
-from tests.kernels.common import (DTYPES, HANDLERS_CHECK_DATA, assert_close, replace, to_jax,
-                                  to_torch)
+from tests.kernels.common import (DTYPES, HANDLERS_CHECK_DATA, PLATFORM, assert_close, replace,
+                                  to_jax, to_torch)
 from torch_xla_ext import jax_ops as xla_ext_jax
 from torch_xla_ext import op_catalog, sample_inputs
 from torch_xla_ext.errors import TorchXlaExtError
@@ -190,12 +190,21 @@ def test_rejects_bad_alibi_slopes(slopes):
         run(_bad_inputs(), 0.125, alibi_slopes=slopes, jit=False)
 
 
-def _raw_call(inputs, alibi_slopes):
-    """The target called directly, past the Python checks, so the handler's checks run."""
+OP = op_catalog.PAGED_ATTENTION
+ATTRIBUTES = dict(scale=np.float32(0.125), softcap=np.float32(0.0))
+
+
+def _raw_call(inputs, alibi_slopes, workspace=None):
+    """The target called directly, past the Python checks, so the handler's checks run; with
+    the workspace result the front ends give it, or `workspace` (its type) instead."""
     args = [to_jax(t) for t in inputs] + [to_jax(alibi_slopes)]
-    out_type = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
-    call = jax.ffi.ffi_call(op_catalog.PAGED_ATTENTION.target, out_type)
-    fn = jax.jit(lambda *a: call(*a, scale=np.float32(0.125), softcap=np.float32(0.0)))
+    if workspace is None:
+        shape, dtype = OP.handler_results(dict(zip(OP.operands, args)), ATTRIBUTES,
+                                          xla_ext_jax.workspace_gpu())[-1]
+        workspace = jax.ShapeDtypeStruct(shape, dtype)
+    out_type = (jax.ShapeDtypeStruct(args[0].shape, args[0].dtype), workspace)
+    call = jax.ffi.ffi_call(OP.target, out_type)
+    fn = jax.jit(lambda *a: call(*a, **ATTRIBUTES)[0])
     return jax.block_until_ready(fn(*args))
 
 
@@ -208,6 +217,52 @@ def test_handler_rejects_bad_arguments(arg, corrupt):
     slopes = inputs.pop() if len(inputs) == 6 else torch.zeros(0)
     with pytest.raises(Exception, match=f"argument '{arg}'"):
         _raw_call(inputs, slopes)
+
+
+def test_handler_rejects_workspace_of_other_dtype():
+    with pytest.raises(Exception, match="argument 'workspace': expected dtype u8"):
+        _raw_call(list(_bad_inputs()), torch.zeros(0),
+                  workspace=jax.ShapeDtypeStruct((256,), np.float32))
+
+
+@pytest.mark.skipif(PLATFORM == "cpu", reason="the Host handler takes no scratch from the "
+                    "workspace: any size is enough")
+def test_workspace_size_is_what_the_handler_takes():
+    # The size the front ends ask the library for is the handler's own planning: one byte
+    # less is refused before anything is launched. A long sequence: both kernels split it.
+    inputs = make_inputs([1312, 3], 8, 2, 128, 16, torch.bfloat16, max_blocks_per_seq=82)
+    args = [to_jax(t) for t in inputs] + [to_jax(torch.zeros(0))]
+    needed = OP.handler_results(dict(zip(OP.operands, args)), ATTRIBUTES,
+                                xla_ext_jax.workspace_gpu())[-1][0][0]
+    assert needed > 0
+    with pytest.raises(Exception, match=f"argument 'workspace': expected at least {needed} "
+                                        f"bytes, got {needed - 1} bytes"):
+        _raw_call(inputs, torch.zeros(0), jax.ShapeDtypeStruct((needed - 1,), np.uint8))
+    assert_close(_raw_call(inputs, torch.zeros(0), jax.ShapeDtypeStruct((needed,), np.uint8)),
+                 reference.paged_attention_ref(*inputs, 0.125, 0.0, None), torch.bfloat16)
+
+
+def test_chain_in_one_executable():
+    # Several calls in one jitted function, each call's output the next one's query: on the GPU
+    # XLA records such a run of command-buffer compatible custom calls into a command buffer
+    # (a CUDA graph) and replays it at each execution, here twice with different inputs. Each
+    # execution must give what the calls give one at a time.
+    calls = 6
+
+    @jax.jit
+    def chain(query, *rest):
+        for _ in range(calls):
+            query = xla_ext_jax.paged_attention(query, *rest, scale=0.125)
+        return query
+
+    for seed in (1, 2):
+        inputs = make_inputs([1312, 3, 0, 77], 8, 2, 128, 16, torch.bfloat16,
+                             max_blocks_per_seq=82, seed=seed)
+        expected = to_jax(inputs[0])
+        for _ in range(calls):
+            expected = run([to_torch(expected), *inputs[1:]], 0.125)
+        got = chain(*map(to_jax, inputs))
+        assert np.array_equal(np.asarray(got), np.asarray(expected))
 
 
 @pytest.mark.parametrize("case", ["negative", "beyond_table"])
