@@ -188,6 +188,37 @@ class DeviceGuard {
   bool ok_ = false;
 };
 
+// For a front end's workspace size query (an op's exported xla_ext_<op>_workspace_bytes): the
+// bytes `plan(device_info, workspace)` takes, with a measuring workspace and nothing launched,
+// on CUDA device `device`, or with device -1 the most it takes on any visible device; 0 where
+// no device is visible or the plan fails (the handler reports that itself).
+template <typename PlanFn>
+int64_t WorkspaceBytes(int device, PlanFn&& plan) {
+  const auto on = [&](int d) -> int64_t {
+    const DeviceGuard guard(d);
+    const std::optional<DeviceInfo> info = DeviceInfoOf(d);
+    if (!guard.ok() || !info.has_value()) return 0;
+    Workspace measuring = Workspace::Measuring();
+    return plan(info, measuring).failure() ? 0 : static_cast<int64_t>(measuring.used());
+  };
+  if (device >= 0) return on(device);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: nothing needs a workspace
+    return 0;
+  }
+  int64_t most = 0;
+  for (int d = 0; d < devices; ++d) most = std::max(most, on(d));
+  return most;
+}
+
+// A buffer of a call that a size query knows by its shape alone: no data, for the handler's
+// checks.
+inline XLA_FFI_Buffer DatalessBuffer(int dtype, const int64_t* dims, int64_t rank) {
+  return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(dtype),
+                        nullptr, rank, const_cast<int64_t*>(dims)};
+}
+
 // CTAs of `kernel` an SM holds with `shared_bytes` of dynamic shared memory (0 if the runtime
 // cannot say). The first call per (kernel, device) also opts the kernel in to the device's
 // largest shared memory (less its static shared memory: the runtime refuses more). Answers are

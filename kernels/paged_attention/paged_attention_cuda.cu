@@ -193,23 +193,19 @@ XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kPagedAttentionCuda,
 // a call with these shapes (query [3], key_cache [4] and block_tables [2] dimensions; the
 // query's XLA_FFI_DataType, which the caches share) needs on CUDA device `device`, or with
 // device -1 the most any visible device needs; 0 where no device is visible or where the
-// handler rejects the call before it takes any.
+// handler rejects the call (it says why itself).
 extern "C" __attribute__((visibility("default"))) int64_t xla_ext_paged_attention_workspace_bytes(
     int device, int dtype, const int64_t* query_dims, const int64_t* cache_dims,
     const int64_t* block_tables_dims) {
   namespace pa = xla_ext::paged_attention;
-  // The call's buffers as the handler sees them, without data, for its checks.
-  const auto buffer = [](int type, const int64_t* dims, int64_t rank) {
-    return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(type),
-                          nullptr, rank, const_cast<int64_t*>(dims)};
-  };
+  using xla_ext::cuda::DatalessBuffer;
   const int64_t seq_lens_dims[] = {block_tables_dims[0]};
   const int64_t no_alibi_dims[] = {0};
-  const XLA_FFI_Buffer query = buffer(dtype, query_dims, 3);
-  const XLA_FFI_Buffer cache = buffer(dtype, cache_dims, 4);
-  const XLA_FFI_Buffer block_tables = buffer(XLA_FFI_DataType_S32, block_tables_dims, 2);
-  const XLA_FFI_Buffer seq_lens = buffer(XLA_FFI_DataType_S32, seq_lens_dims, 1);
-  const XLA_FFI_Buffer alibi = buffer(XLA_FFI_DataType_F32, no_alibi_dims, 1);
+  const XLA_FFI_Buffer query = DatalessBuffer(dtype, query_dims, 3);
+  const XLA_FFI_Buffer cache = DatalessBuffer(dtype, cache_dims, 4);
+  const XLA_FFI_Buffer block_tables = DatalessBuffer(XLA_FFI_DataType_S32, block_tables_dims, 2);
+  const XLA_FFI_Buffer seq_lens = DatalessBuffer(XLA_FFI_DataType_S32, seq_lens_dims, 1);
+  const XLA_FFI_Buffer alibi = DatalessBuffer(XLA_FFI_DataType_F32, no_alibi_dims, 1);
   pa::Shapes s;
   if (pa::Check(xla::ffi::AnyBuffer(&query), xla::ffi::AnyBuffer(&cache),
                 xla::ffi::AnyBuffer(&cache), xla::ffi::AnyBuffer(&block_tables),
@@ -217,29 +213,12 @@ extern "C" __attribute__((visibility("default"))) int64_t xla_ext_paged_attentio
                 xla::ffi::AnyBuffer(&query), s)
           .failure() ||
       s.num_seqs == 0 || s.num_heads == 0) {
-    return 0;
+    return 0;  // the handler rejects it, or launches nothing
   }
-  const auto bytes_on = [&](int d) -> int64_t {
-    const xla_ext::cuda::DeviceGuard guard(d);
-    const std::optional<xla_ext::cuda::DeviceInfo> info = xla_ext::cuda::DeviceInfoOf(d);
-    if (!guard.ok() || !info.has_value()) return 0;
-    xla_ext::cuda::Workspace measuring = xla_ext::cuda::Workspace::Measuring();
+  return xla_ext::cuda::WorkspaceBytes(device, [&](const auto& info, auto& workspace) {
     pa::Plan plan;
     pa::Params p;
-    if (pa::PlanCall(s, static_cast<xla::ffi::DataType>(dtype), 1.0f, 0.0f, info, measuring,
-                     plan, p)
-            .failure()) {
-      return 0;  // the handler rejects it
-    }
-    return static_cast<int64_t>(measuring.used());
-  };
-  if (device >= 0) return bytes_on(device);
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-    cudaGetLastError();  // no driver or no device: nothing needs a workspace
-    return 0;
-  }
-  int64_t most = 0;
-  for (int d = 0; d < devices; ++d) most = std::max(most, bytes_on(d));
-  return most;
+    return pa::PlanCall(s, static_cast<xla::ffi::DataType>(dtype), 1.0f, 0.0f, info, workspace,
+                        plan, p);
+  });
 }

@@ -395,21 +395,6 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   return cuda::LastLaunchError(kTarget);
 }
 
-// The bytes of workspace a call needs on `device`: the handler's own planning, with a
-// measuring workspace and nothing launched. 0 where the handler has no kernel for it (it
-// reports that itself).
-int64_t WorkspaceBytesOn(int device, const Shapes& s, ffi::DataType q_type, const Attrs& attrs) {
-  const cuda::DeviceGuard guard(device);
-  const std::optional<cuda::DeviceInfo> info = cuda::DeviceInfoOf(device);
-  if (!guard.ok() || !info.has_value()) return 0;
-  cuda::Workspace measuring = cuda::Workspace::Measuring();
-  const Call call{s, info, measuring, nullptr};
-  const BatchParams p = MakeBatchParams(s, attrs);
-  const ffi::Error planned = Dispatch(q_type, s.fp8_kv, s.head_dim,
-                                      [&](auto kernels) { return kernels.Launch(p, call); });
-  return planned.failure() ? 0 : static_cast<int64_t>(measuring.used());
-}
-
 // Not in a CUDA graph's way: no host synchronisation, and its scratch is the workspace result
 // (XLA's own buffer), not an allocation at every call.
 XLA_FFI_DEFINE_HANDLER(kRaggedPagedAttentionCuda, RaggedPagedAttentionCuda,
@@ -427,7 +412,7 @@ XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kRaggedPagedAttentionCuda,
 // a call with these shapes (q [3], kv_pages [4] and page_indices [2] dimensions; q's and
 // kv_pages' XLA_FFI_DataType) and attributes needs on CUDA device `device`, or with device -1
 // the most any visible device needs; 0 where no device is visible or where the handler rejects
-// the call before it takes any.
+// the call (it says why itself).
 extern "C" __attribute__((visibility("default"))) int64_t
 xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_dtype,
                                                const int64_t* q_dims,
@@ -436,23 +421,17 @@ xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_d
                                                int32_t sliding_window, float soft_cap,
                                                float mask_value, float k_scale, float v_scale) {
   namespace rpa = xla_ext::ragged_paged_attention;
-  // The call's buffers as the handler sees them, without data, for its checks: a call they
-  // reject takes no workspace.
-  const auto buffer = [](int dtype, const int64_t* dims, int64_t rank) {
-    return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
-                          static_cast<XLA_FFI_DataType>(dtype), nullptr, rank,
-                          const_cast<int64_t*>(dims)};
-  };
+  using xla_ext::cuda::DatalessBuffer;
   const int64_t max_num_seqs = page_indices_dims[0];
   const int64_t kv_lens_dims[] = {max_num_seqs};
   const int64_t cu_q_lens_dims[] = {max_num_seqs + 1};
   const int64_t num_seqs_dims[] = {1};
-  const XLA_FFI_Buffer q = buffer(q_dtype, q_dims, 3);
-  const XLA_FFI_Buffer kv_pages = buffer(kv_dtype, kv_pages_dims, 4);
-  const XLA_FFI_Buffer kv_lens = buffer(XLA_FFI_DataType_S32, kv_lens_dims, 1);
-  const XLA_FFI_Buffer page_indices = buffer(XLA_FFI_DataType_S32, page_indices_dims, 2);
-  const XLA_FFI_Buffer cu_q_lens = buffer(XLA_FFI_DataType_S32, cu_q_lens_dims, 1);
-  const XLA_FFI_Buffer num_seqs = buffer(XLA_FFI_DataType_S32, num_seqs_dims, 1);
+  const XLA_FFI_Buffer q = DatalessBuffer(q_dtype, q_dims, 3);
+  const XLA_FFI_Buffer kv_pages = DatalessBuffer(kv_dtype, kv_pages_dims, 4);
+  const XLA_FFI_Buffer kv_lens = DatalessBuffer(XLA_FFI_DataType_S32, kv_lens_dims, 1);
+  const XLA_FFI_Buffer page_indices = DatalessBuffer(XLA_FFI_DataType_S32, page_indices_dims, 2);
+  const XLA_FFI_Buffer cu_q_lens = DatalessBuffer(XLA_FFI_DataType_S32, cu_q_lens_dims, 1);
+  const XLA_FFI_Buffer num_seqs = DatalessBuffer(XLA_FFI_DataType_S32, num_seqs_dims, 1);
   const rpa::Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
   rpa::Shapes s;
   if (rpa::Check(xla::ffi::AnyBuffer(&q), xla::ffi::AnyBuffer(&kv_pages),
@@ -461,18 +440,12 @@ xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_d
                  xla::ffi::AnyBuffer(&q), attrs, s)
           .failure() ||
       s.num_tokens == 0 || s.num_q_heads == 0) {
-    return 0;
+    return 0;  // the handler rejects it, or launches nothing
   }
-  const auto q_type = static_cast<xla::ffi::DataType>(q_dtype);
-  if (device >= 0) return rpa::WorkspaceBytesOn(device, s, q_type, attrs);
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-    cudaGetLastError();  // no driver or no device: nothing needs a workspace
-    return 0;
-  }
-  int64_t most = 0;
-  for (int d = 0; d < devices; ++d) {
-    most = std::max(most, rpa::WorkspaceBytesOn(d, s, q_type, attrs));
-  }
-  return most;
+  const rpa::BatchParams p = rpa::MakeBatchParams(s, attrs);
+  return xla_ext::cuda::WorkspaceBytes(device, [&](const auto& info, auto& workspace) {
+    const rpa::Call call{s, info, workspace, nullptr};
+    return rpa::Dispatch(static_cast<xla::ffi::DataType>(q_dtype), s.fp8_kv, s.head_dim,
+                         [&](auto kernels) { return kernels.Launch(p, call); });
+  });
 }
