@@ -83,18 +83,11 @@ inline ::xla::ffi::Error CopyUnlessAliased(std::string_view op,
 }
 
 // Split-KV partial results: for `slots` (row, partition) pairs, the unnormalised outputs
-// [slots, head_size], then the maxima and the sums [slots] each, in one buffer of
-// Floats(slots, head_size).
+// [slots, head_size], then the maxima and the sums [slots] each, in one buffer (TakePartials).
 struct PartialResults {
   float* out = nullptr;
   float* max = nullptr;
   float* sum = nullptr;
-
-  static int64_t Floats(int64_t slots, int64_t head_size) { return slots * (2 + head_size); }
-  static PartialResults In(float* buffer, int64_t slots, int64_t head_size) {
-    if (buffer == nullptr) return {};
-    return {buffer, buffer + slots * head_size, buffer + slots * (head_size + 1)};
-  }
 };
 
 // A call's scratch, carved out of one buffer its caller sized: the op's workspace result,
@@ -134,6 +127,13 @@ class Workspace {
   size_t used_ = 0;
   bool measuring_ = false;
 };
+
+// The partial results of `slots` pairs, taken from `workspace` (all null while it measures).
+inline PartialResults TakePartials(Workspace& workspace, int64_t slots, int64_t head_size) {
+  float* buffer = workspace.Take<float>(slots * (2 + head_size));
+  if (buffer == nullptr) return {};
+  return {buffer, buffer + slots * head_size, buffer + slots * (head_size + 1)};
+}
 
 inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 

@@ -123,9 +123,7 @@ ffi::Error PlanCall(const Shapes& s, ffi::DataType dtype, float scale, float sof
   if (plan.tensor_core.has_value()) p.seq_records = workspace.Take<int2>(s.num_seqs);
   if (plan.tensor_core.has_value() || p.num_partitions > 1) {
     const int64_t slots = s.num_heads * p.num_records;
-    const cuda::PartialResults partials = cuda::PartialResults::In(
-        workspace.Take<float>(cuda::PartialResults::Floats(slots, s.head_size)), slots,
-        s.head_size);
+    const cuda::PartialResults partials = cuda::TakePartials(workspace, slots, s.head_size);
     p.partial_out = partials.out;
     p.partial_max = partials.max;
     p.partial_sum = partials.sum;

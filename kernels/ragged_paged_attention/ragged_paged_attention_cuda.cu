@@ -154,9 +154,7 @@ struct Kernels {
       }
       tp.row_pieces = call.workspace.Take<int4>(s.num_tokens);
       const int64_t slots = s.num_kv_heads * tp.num_records * kernel.tile_rows;
-      const cuda::PartialResults partials = cuda::PartialResults::In(
-          call.workspace.Take<float>(cuda::PartialResults::Floats(slots, kHeadDim)), slots,
-          kHeadDim);
+      const cuda::PartialResults partials = cuda::TakePartials(call.workspace, slots, kHeadDim);
       tp.partial_out = partials.out;
       tp.partial_max = partials.max;
       tp.partial_sum = partials.sum;
@@ -235,9 +233,7 @@ struct Kernels {
     d.num_records = static_cast<int>(records);
     d.seq_records = call.workspace.Take<int2>(batch.max_num_seqs);
     const int64_t slots = int64_t{batch.num_q_heads} * d.num_records;
-    const cuda::PartialResults partials = cuda::PartialResults::In(
-        call.workspace.Take<float>(cuda::PartialResults::Floats(slots, kHeadDim)), slots,
-        kHeadDim);
+    const cuda::PartialResults partials = cuda::TakePartials(call.workspace, slots, kHeadDim);
     d.partial_out = partials.out;
     d.partial_max = partials.max;
     d.partial_sum = partials.sum;
@@ -266,9 +262,7 @@ struct Kernels {
     p.partition_len = plan.partition_len;
     if (plan.num_partitions > 1) {
       const int64_t slots = s.num_tokens * s.num_q_heads * plan.num_partitions;
-      const cuda::PartialResults partials = cuda::PartialResults::In(
-          call.workspace.Take<float>(cuda::PartialResults::Floats(slots, kHeadDim)), slots,
-          kHeadDim);
+      const cuda::PartialResults partials = cuda::TakePartials(call.workspace, slots, kHeadDim);
       p.partial_out = partials.out;
       p.partial_max = partials.max;
       p.partial_sum = partials.sum;
