@@ -39,7 +39,8 @@
 #   ncu_ragged: Nsight Compute on the ragged attention kernels (the tiled kernel the handler
 #             picks, wgmma at head_dim 128, and its combine; on the decode mix the decode steps
 #             run on the decode kernel, which the regex leaves out) of two bench/ragged_bench.py
-#             mixes, a decode and a prefill
+#             mixes, a decode and a prefill, then all three kernels of the mixed batch 4 chunks
+#             of 256 + 60 decodes x 1024
 #             (bench/profile_ragged_attention.py --mix) -> <gpu>-ncu-ragged.txt; with NCU_SASS=1
 #             also each mix's first kernel per SASS instruction (executed, stall samples)
 #             -> <gpu>-ncu-ragged-sass-N.csv (as for ncu_mixes)
@@ -154,25 +155,32 @@ if [[ $PHASE == tp1 || $PHASE == tp2 ]]; then
   exit $status
 fi
 
-# Nsight Compute on the attention and combine kernels of the third of four calls, per mix:
-# ncu_profile <file> <kernel regex> <profile script> <mix>...
+# Nsight Compute on the kernels of the third of four calls, per mix, each call launching
+# `launches` kernels the regex matches; at the clocks the kernels run at (not ncu's base
+# clocks), with the warps' stall reasons (cycles stalled per issued instruction):
+# ncu_profile <file> <kernel regex> <launches> <profile script> <mix>...
+STALL_METRICS='smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
 ncu_profile() {
-  local file="$1" kernels="$2" script="$3"
-  shift 3
+  local file="$1" kernels="$2" launches="$3" script="$4"
+  shift 4
   command -v ncu > /dev/null || { step "ncu: not installed"; exit 1; }
-  : > "$OUT/$file"
-  local mix sass_tables=0
+  [[ -n ${NCU_APPEND:-} ]] || : > "$OUT/$file"
+  local mix sass_tables
+  sass_tables=$(compgen -G "$OUT/${file%.txt}-sass-*.csv" | wc -l)  # after those appended to
   for mix in "$@"; do
     step "ncu: $mix"
     echo "== $mix" >> "$OUT/$file"
-    timeout 150 ncu --kernel-name "regex:$kernels" --launch-skip 4 --launch-count 2 \
+    timeout 150 ncu --clock-control none --kernel-name "regex:$kernels" \
+      --launch-skip $((2 * launches)) --launch-count "$launches" \
       --section SpeedOfLight --section LaunchStats --section Occupancy \
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      --section SourceCounters python3 "$script" --mix "$mix" >> "$OUT/$file" 2>&1 \
+      --section SourceCounters --metrics "regex:$STALL_METRICS" \
+      python3 "$script" --mix "$mix" >> "$OUT/$file" 2>&1 \
       || { status=1; echo "ncu failed (see $file)" | tee -a "$TESTS"; }
     if [[ ${NCU_SASS:-0} == 1 ]]; then  # the first kernel's SASS, instruction by instruction
       local table="$OUT/${file%.txt}-sass-$((++sass_tables)).csv"
-      timeout 150 ncu --kernel-name "regex:$kernels" --launch-skip 4 --launch-count 1 \
+      timeout 150 ncu --clock-control none --kernel-name "regex:$kernels" \
+        --launch-skip $((2 * launches)) --launch-count 1 \
         --section SourceCounters --section WarpStateStats -f -o /tmp/ncu-sass \
         python3 "$script" --mix "$mix" > /dev/null 2>&1 \
         && ncu --import /tmp/ncu-sass.ncu-rep --page source --csv --print-source sass > "$table" \
@@ -180,18 +188,28 @@ ncu_profile() {
         || { status=1; echo "ncu SASS table failed: $mix" | tee -a "$TESTS"; }
     fi
   done
-  step "done, status $status"
-  exit $status
 }
 
 # The mixes of bench/decode_mixes_bench.py short of their targets on the H100: what holds the
 # attention kernel and the combine kernel of one call back.
-[[ $PHASE == ncu_mixes ]] && ncu_profile "$GPU-ncu-mixes.txt" "AttendTensorCore|CombinePartitions" \
-  bench/profile_paged_attention.py "TP=8 shard (H=4, KVH=1): long tail 64" \
-  "many very short: 256 x 32" "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256" \
-  "1 x 32768 + 31 x 256" "1B-class Llama step (D=64): 64 x 2048"
-[[ $PHASE == ncu_ragged ]] && ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|CombineKernel" \
-  bench/profile_ragged_attention.py "decode 64 x 2048" "prefill 4 x 2048"
+if [[ $PHASE == ncu_mixes ]]; then
+  ncu_profile "$GPU-ncu-mixes.txt" "AttendTensorCore|CombinePartitions" 2 \
+    bench/profile_paged_attention.py "TP=8 shard (H=4, KVH=1): long tail 64" \
+    "many very short: 256 x 32" "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256" \
+    "1 x 32768 + 31 x 256" "1B-class Llama step (D=64): 64 x 2048"
+  step "done, status $status"
+  exit $status
+fi
+# The mixed batch's three kernels (tiled, decode steps, combine) are each profiled alone, on
+# the share of the SMs gpu_share.cuh gives it: ncu serialises kernels that otherwise overlap.
+if [[ $PHASE == ncu_ragged ]]; then
+  ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|CombineKernel" 2 \
+    bench/profile_ragged_attention.py "decode 64 x 2048" "prefill 4 x 2048"
+  NCU_APPEND=1 ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|AttendTensorCoreKernel|CombineKernel" 3 \
+    bench/profile_ragged_attention.py "mixed: 4 chunks of 256 + 60 decodes x 1024"
+  step "done, status $status"
+  exit $status
+fi
 
 if [[ $PHASE == ragged ]]; then
   if [[ ${RAGGED_TESTS:-1} != 0 ]]; then
