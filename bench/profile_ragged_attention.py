@@ -8,7 +8,9 @@ Four calls; each launches the attention kernel and its combine kernel
 (`tools/device/run.sh ncu_ragged` profiles the third call's). With --trace, three more calls
 are captured in a CUDA graph and replayed under torch.profiler's CUPTI trace
 (bench/gpu_trace.py): each kernel's, memset's and copy's start and end on the GPU, with no host
-gaps between the calls."""
+gaps between the calls. With --clocks S, calls replayed back to back in a CUDA graph for S
+seconds while nvidia-smi samples the SM clock, the power draw and the active clock-throttle
+reasons every 100 ms: the medians of the samples taken while the calls ran."""
 
 import argparse
 import os
@@ -26,6 +28,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--mix", required=True, help="a mix name of ragged_bench.MIXES")
 parser.add_argument("--trace", action="store_true",
                     help="print the GPU timeline of three calls replayed in a CUDA graph (CUPTI)")
+parser.add_argument("--clocks", type=float, metavar="SECONDS",
+                    help="replay calls for SECONDS and print the SM clock and power nvidia-smi "
+                    "samples meanwhile")
 args = parser.parse_args()
 if args.mix not in mixes:
     parser.error(f"--mix: expected one of {sorted(mixes)}, got {args.mix!r}")
@@ -40,3 +45,41 @@ if args.trace:
 
     print_graph_timeline(
         lambda: torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=SCALE), 3, args.mix)
+if args.clocks is not None:
+    import statistics
+    import subprocess
+    import time
+
+    from gpu_trace import captured_graph
+
+    if args.clocks <= 0:
+        parser.error(f"--clocks: expected a positive number of seconds, got {args.clocks}")
+    graph = captured_graph(lambda: torch.ops.xla_ext.ragged_paged_attention(**inputs,
+                                                                          sm_scale=SCALE), 20)
+    sampler = subprocess.Popen(
+        ["nvidia-smi", f"--id={torch.cuda.current_device()}",
+         "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
+         "--format=csv,noheader,nounits", "-lms", "100"],
+        stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # nvidia-smi's first samples, before the calls start, are dropped below
+    start = time.monotonic()
+    replays = 0
+    while time.monotonic() - start < args.clocks:
+        graph.replay()
+        replays += 1
+        if replays % 50 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    sampler.terminate()
+    samples = [line.split(", ") for line in sampler.communicate()[0].splitlines()]
+    during = samples[10:-2]  # the ~1 s before the calls, and the last samples at the stop
+    if not during:
+        raise RuntimeError(f"nvidia-smi gave {len(samples)} samples; too few for --clocks "
+                           f"{args.clocks}")
+    reasons = sorted({s[2] for s in during})
+    print(f"{args.mix}: {20 * replays / elapsed:.0f} calls/s ({1e6 * elapsed / (20 * replays):.1f} "
+          f"us each) over {elapsed:.1f} s; {len(during)} samples: SM clock median "
+          f"{statistics.median(float(s[0]) for s in during):.0f} MHz (min "
+          f"{min(float(s[0]) for s in during):.0f}), power median "
+          f"{statistics.median(float(s[1]) for s in during):.0f} W, throttle reasons {reasons}")

@@ -162,10 +162,12 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   };
   const auto length_of = [&](int seq) { return batch.Length(p, seq); };
   const auto units_of = [&](int length) { return UnitsOf(p.window, length); };
+  int active_ctas = 0;
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
       p.num_seqs, kMinCtaStages, [&](int seq) { return units_of(length_of(seq)); },
-      schedule_scratch,
-      [&](int units) { return batch.ActiveCtas(p, units, schedule_scratch); });
+      schedule_scratch, [&](int units) {
+        return active_ctas = batch.ActiveCtas(p, units, schedule_scratch);
+      });
   if (range.begin >= range.end) {  // more CTAs than stages
     finish();
     return;
@@ -179,7 +181,11 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     // in the CTA; the two tokens are in one block, of at least 8 tokens), else two. The next
     // stage's block-table entry is loaded before waiting for its buffer. With every kv head in
     // the CTA, a block's rows are one contiguous run: one L2 prefetch per run, a stage ahead,
-    // turns the next stage's copies into L2 hits. Tokens before the window are skipped.
+    // turns the next stage's copies into L2 hits. Only while the grid streams alone: on a share
+    // of it, beside the ragged tiled kernel, the prefetches' L2 traffic slowed that kernel more
+    // than they sped this one (4 chunks of 256 + 60 decodes x 1024: 126.5-129.3 us with them,
+    // 123.6-123.7 without; bench/results/h100-ragged-prefetch-ab.txt). Tokens before the window
+    // are skipped.
     constexpr int kPairs = kStageTokens / 2;
     const int pair = lane % kPairs;
     const int part = lane / kPairs;  // 0: K (or K and V), 1: V
@@ -194,7 +200,8 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
                                                                         : p.value_cache) +
                                             first_kv_head * kHeadSize;
     const uint64_t read_once = sm90::EvictFirstPolicy();
-    const int prefetch_run = whole_rows ? min(1 << p.log2_block_size, kStageTokens) : 0;
+    const bool alone = active_ctas == static_cast<int>(gridDim.x);
+    const int prefetch_run = whole_rows && alone ? min(1 << p.log2_block_size, kStageTokens) : 0;
     const uint32_t prefetch_bytes = copier ? prefetch_run * token_bytes : 0;
     cuda::balanced::SequenceWalk walk(length_of, units_of, p.num_seqs, range.first_seq,
                                       range.begin - range.first_seq_begin);

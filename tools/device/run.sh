@@ -44,6 +44,9 @@
 #             (bench/profile_ragged_attention.py --mix) -> <gpu>-ncu-ragged.txt; with NCU_SASS=1
 #             also each mix's first kernel per SASS instruction (executed, stall samples)
 #             -> <gpu>-ncu-ragged-sass-N.csv (as for ncu_mixes)
+#   clocks_ragged: the SM clock, power draw and clock-event reasons nvidia-smi samples while
+#             four bench/ragged_bench.py mixes run back to back (profile_ragged_attention.py
+#             --clocks) -> <gpu>-ragged-clocks.txt
 #   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
 #             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
@@ -105,7 +108,7 @@ sanitize() {  # tools...
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
 [[ $PHASE == bench || $PHASE == kv_cache || $PHASE == tp1 || $PHASE == tp2 \
-   || $PHASE == ncu_mixes || $PHASE == ncu_ragged ]] \
+   || $PHASE == ncu_mixes || $PHASE == ncu_ragged || $PHASE == clocks_ragged ]] \
   || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
@@ -207,6 +210,20 @@ if [[ $PHASE == ncu_ragged ]]; then
     bench/profile_ragged_attention.py "decode 64 x 2048" "prefill 4 x 2048"
   NCU_APPEND=1 ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|AttendTensorCoreKernel|CombineKernel" 3 \
     bench/profile_ragged_attention.py "mixed: 4 chunks of 256 + 60 decodes x 1024"
+  step "done, status $status"
+  exit $status
+fi
+
+# The SM clock and power draw while each of three mixes runs back to back: a decode row
+# (streaming), prefill (tensor cores) and a mixed batch (both at once).
+if [[ $PHASE == clocks_ragged ]]; then
+  : > "$OUT/$GPU-ragged-clocks.txt"
+  for mix in "decode 64 x 2048" "prefill 4 x 2048" "mixed: 4 chunks of 256 + 60 decodes x 1024" \
+             "mixed: one 512-token chunk (of 2048) + 63 decodes x 2048"; do
+    python3 bench/profile_ragged_attention.py --mix "$mix" --clocks 5 2>&1 | tail -1 \
+      | tee -a "$OUT/$GPU-ragged-clocks.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  done
   step "done, status $status"
   exit $status
 fi
