@@ -14,7 +14,9 @@
 //   faster per SM than while every SM streams (fewer SMs share the bandwidth), the tiled kernel
 //   gets the part r T / (r T + D) of the SMs, which makes the two times equal. r is
 //   kDecodeSpeedupPercent / 100: on the H100 the decode kernel on 68 of the 132 SMs, beside
-//   the tiled kernel on the rest, streamed 1.4 times faster per SM.
+//   the tiled kernel on the rest, streamed 1.4 times faster per SM. (With the decode kernel's
+//   L2 prefetches off beside the tiled kernel, r = 1.25 and 1.8 were both slower than 1.5:
+//   bench/results/h100-ragged-prefetch-ab.txt.)
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
 #define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
 
