@@ -34,17 +34,24 @@ parser.add_argument("--clocks", type=float, metavar="SECONDS",
 args = parser.parse_args()
 if args.mix not in mixes:
     parser.error(f"--mix: expected one of {sorted(mixes)}, got {args.mix!r}")
+if args.clocks is not None and args.clocks <= 0:
+    parser.error(f"--clocks: expected a positive number of seconds, got {args.clocks}")
 q_lens, kv_lens = mixes[args.mix]
 inputs = sample_inputs.ragged_paged_attention(q_lens, kv_lens, H, KVH, D, PAGE, torch.bfloat16,
                                               device="cuda")
-for _ in range(4):
+
+
+def call():
     torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=SCALE)
+
+
+for _ in range(4):
+    call()
 torch.cuda.synchronize()
 if args.trace:
     from gpu_trace import print_graph_timeline
 
-    print_graph_timeline(
-        lambda: torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=SCALE), 3, args.mix)
+    print_graph_timeline(call, 3, args.mix)
 if args.clocks is not None:
     import statistics
     import subprocess
@@ -52,10 +59,7 @@ if args.clocks is not None:
 
     from gpu_trace import captured_graph
 
-    if args.clocks <= 0:
-        parser.error(f"--clocks: expected a positive number of seconds, got {args.clocks}")
-    graph = captured_graph(lambda: torch.ops.xla_ext.ragged_paged_attention(**inputs,
-                                                                          sm_scale=SCALE), 20)
+    graph = captured_graph(call, 20)
     sampler = subprocess.Popen(
         ["nvidia-smi", f"--id={torch.cuda.current_device()}",
          "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
@@ -77,9 +81,10 @@ if args.clocks is not None:
     if not during:
         raise RuntimeError(f"nvidia-smi gave {len(samples)} samples; too few for --clocks "
                            f"{args.clocks}")
+    clocks_mhz = [float(s[0]) for s in during]
+    power_w = [float(s[1]) for s in during]
     reasons = sorted({s[2] for s in during})
     print(f"{args.mix}: {20 * replays / elapsed:.0f} calls/s ({1e6 * elapsed / (20 * replays):.1f} "
           f"us each) over {elapsed:.1f} s; {len(during)} samples: SM clock median "
-          f"{statistics.median(float(s[0]) for s in during):.0f} MHz (min "
-          f"{min(float(s[0]) for s in during):.0f}), power median "
-          f"{statistics.median(float(s[1]) for s in during):.0f} W, throttle reasons {reasons}")
+          f"{statistics.median(clocks_mhz):.0f} MHz (min {min(clocks_mhz):.0f}), power median "
+          f"{statistics.median(power_w):.0f} W, throttle reasons {reasons}")

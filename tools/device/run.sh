@@ -162,14 +162,15 @@ fi
 # `launches` kernels the regex matches; at the clocks the kernels run at (not ncu's base
 # clocks), with the warps' stall reasons (cycles stalled per issued instruction):
 # ncu_profile <file> <kernel regex> <launches> <profile script> <mix>...
+# It appends to <file>, which the phase empties first; the SASS tables are numbered over the
+# phase (sass_tables).
 STALL_METRICS='smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
+sass_tables=0
 ncu_profile() {
   local file="$1" kernels="$2" launches="$3" script="$4"
   shift 4
   command -v ncu > /dev/null || { step "ncu: not installed"; exit 1; }
-  [[ -n ${NCU_APPEND:-} ]] || : > "$OUT/$file"
-  local mix sass_tables
-  sass_tables=$(compgen -G "$OUT/${file%.txt}-sass-*.csv" | wc -l)  # after those appended to
+  local mix
   for mix in "$@"; do
     step "ncu: $mix"
     echo "== $mix" >> "$OUT/$file"
@@ -196,6 +197,7 @@ ncu_profile() {
 # The mixes of bench/decode_mixes_bench.py short of their targets on the H100: what holds the
 # attention kernel and the combine kernel of one call back.
 if [[ $PHASE == ncu_mixes ]]; then
+  : > "$OUT/$GPU-ncu-mixes.txt"
   ncu_profile "$GPU-ncu-mixes.txt" "AttendTensorCore|CombinePartitions" 2 \
     bench/profile_paged_attention.py "TP=8 shard (H=4, KVH=1): long tail 64" \
     "many very short: 256 x 32" "TP=2 shard (H=16, KVH=4): 1 x 32768 + 31 x 256" \
@@ -206,16 +208,17 @@ fi
 # The mixed batch's three kernels (tiled, decode steps, combine) are each profiled alone, on
 # the share of the SMs gpu_share.cuh gives it: ncu serialises kernels that otherwise overlap.
 if [[ $PHASE == ncu_ragged ]]; then
+  : > "$OUT/$GPU-ncu-ragged.txt"
   ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|CombineKernel" 2 \
     bench/profile_ragged_attention.py "decode 64 x 2048" "prefill 4 x 2048"
-  NCU_APPEND=1 ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|AttendTensorCoreKernel|CombineKernel" 3 \
+  ncu_profile "$GPU-ncu-ragged.txt" "AttendKernel|AttendTensorCoreKernel|CombineKernel" 3 \
     bench/profile_ragged_attention.py "mixed: 4 chunks of 256 + 60 decodes x 1024"
   step "done, status $status"
   exit $status
 fi
 
-# The SM clock and power draw while each of three mixes runs back to back: a decode row
-# (streaming), prefill (tensor cores) and a mixed batch (both at once).
+# The SM clock and power draw while each of four mixes runs back to back: a decode row
+# (streaming), prefill (tensor cores) and two mixed batches (both at once).
 if [[ $PHASE == clocks_ragged ]]; then
   : > "$OUT/$GPU-ragged-clocks.txt"
   for mix in "decode 64 x 2048" "prefill 4 x 2048" "mixed: 4 chunks of 256 + 60 decodes x 1024" \
