@@ -1,19 +1,27 @@
 """The serving loop on a GPU: decode throughput and time per step of a 1B-class Llama (random
 bf16 weights, transformers' LlamaForCausalLM) at batch 1, 16 and 64 with 2k-token contexts, and
-a mixed prefill + decode workload; against the same model in torch eager with transformers
-(sdpa, static cache) and torch.compile of it (if it compiles); and the share of our custom
-calls in the GPU time of a step (a CUPTI trace: bench/gpu_trace.py). The torch.compile rows run
-in a process of their own (torchax, imported for ours, breaks dynamo in its process).
+a mixed prefill + decode workload, with async scheduling on and off; against the same model in
+torch eager with transformers (sdpa, static cache) and torch.compile of it (if it compiles).
+Each of our rows has its wall time per step beside its GPU time (a CUPTI trace of more steps:
+bench/gpu_trace.py, which also gives our custom calls' share), the host's time per step in
+each part of the engine, and the step's floor: the bytes it must read (weights and the K/V of
+its tokens) at the device-to-device copy bandwidth measured eagerly at the start of the run.
+The torch.compile rows run in a process of their own (torchax, imported for ours, breaks dynamo
+in its process).
 
     python bench/serving_bench.py --out bench/results/h100-serving.json            # the GPU run
     python bench/serving_bench.py --config tiny --device cpu --batches 1,4 --context 64 \\
         --impls ours,hf_eager --out /tmp/serving.json                     # a CPU smoke run
 
-Ours: torch_xla_ext.serving.Engine through torchax (each step one jax.jit executable, caches
-donated), page size 16, max_num_seqs 64, up to 8192 tokens per step while prefilling. A decode
-row: B requests with CONTEXT-token random prompts are prefilled, then WARMUP decode steps, then
-STEPS timed engine.step() calls, each one whole serving step (scheduling, packing, the step on
-the GPU, the token ids back); tokens/s = B / time per step. The mixed row: 48 sequences decode
+Ours: torch_xla_ext.serving.Engine through torchax (each step one jax.jit executable called
+directly, caches donated), page size 16, max_num_seqs 64, up to 8192 tokens per step while
+prefilling. A decode row: B requests with CONTEXT-token random prompts are prefilled, then
+WARMUP decode steps, then STEPS timed engine.step() calls, each one whole serving step
+(scheduling, packing, the step on the GPU, the token ids back; with async scheduling the next
+step is launched before this one is waited for); tokens/s = B / time per step. host_us: the
+host's time per step in the scheduler (schedule, update), packing, the launch (the jitted call)
+and the wait for the step's tokens (fetch); with async scheduling all but the wait overlap the
+GPU. The mixed row: 48 sequences decode
 at a 2k context while 16 new 2k-token prompts are prefilled in chunks under a 512-token budget
 (each timed step runs 48 decodes and a 464-token chunk). transformers: the same weights,
 prefilled in one call (logits of the last position only), then STEPS decode calls of
@@ -41,6 +49,65 @@ MIXED_DECODES, MIXED_PREFILLS, MIXED_BUDGET = 48, 16, 512
 IMPLS = ("ours", "hf_eager", "hf_compile")
 
 
+def copy_gbps(device):
+    """Device-to-device copy bandwidth (bytes read + written per second / 1e9) of a 1 GiB copy,
+    launched eagerly (a copy captured in a CUDA graph reads about 20% low)."""
+    if device != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 10
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / seconds / 1e9
+
+
+def floor_ms(engine, weight_bytes, kv_tokens, gbps):
+    """A step's floor: the weights and the K/V of kv_tokens cached tokens read once, at the
+    copy bandwidth (one direction: half of the copy's read + write)."""
+    if not gbps:
+        return None
+    kv_bytes = (kv_tokens * engine.shape.num_layers * 2 * engine.shape.num_kv_heads
+                * engine.shape.head_dim * 2)
+    return (weight_bytes + kv_bytes) / (gbps / 2 * 1e9) * 1e3
+
+
+class HostTimes:
+    """Host time spent in the engine's parts, per step (wraps its methods in timers)."""
+    PARTS = {"schedule": ("scheduler", "schedule"), "update": ("scheduler", "update"),
+             "pack": ("host_batch", "pack"), "launch": ("backend", "run"),
+             "fetch": ("backend", "fetch")}
+
+    def __init__(self, engine):
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        for part, (owner, name) in self.PARTS.items():
+            target = getattr(engine, owner)
+            setattr(target, name, self._timed(part, getattr(target, name)))
+
+    def _timed(self, part, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+        return timed
+
+    def reset(self):
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+
+    def per_step_us(self, steps):
+        return {part: round(s * 1e6 / steps, 1) for part, s in self.seconds.items()}
+
+
 def _prompts(batch, context, vocab_size, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, context), generator=g).tolist()
@@ -55,16 +122,22 @@ def _run_prefill(engine):
     return time.perf_counter() - start
 
 
-def _timed_steps(engine, args):
-    """args.warmup steps, then args.steps timed ones: (their outputs, seconds per step)."""
+def _timed_steps(engine, args, host):
+    """args.warmup steps, then args.steps timed ones: (their outputs, seconds per step); the
+    host's times of the timed steps in `host`."""
     for _ in range(args.warmup):
         engine.step()
+    host.reset()
     start = time.perf_counter()
     outs = [engine.step() for _ in range(args.steps)]
     return outs, (time.perf_counter() - start) / args.steps
 
 
-def ours_decode(engine, batch, args, profile_steps):
+def _mode(engine):
+    return "async" if engine.async_scheduling else "sync"
+
+
+def ours_decode(engine, batch, args, profile_steps, host, run):
     """A decode row; then, when profile_steps, a profile of that many more decode steps."""
     # A sequence whose prompt is done decodes while the others' chunks are prefilled: it may
     # sample one token per prefill step, so every sequence gets room for that many more.
@@ -73,40 +146,66 @@ def ours_decode(engine, batch, args, profile_steps):
         engine.add_request(prompt, max_new_tokens=prefill_steps + args.warmup + args.steps
                            + profile_steps)
     prefill_s = _run_prefill(engine)
-    outs, seconds = _timed_steps(engine, args)
+    outs, seconds = _timed_steps(engine, args, host)
     assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs), \
         [(o.num_seqs, o.num_prefill_tokens) for o in outs]
+    host_us = host.per_step_us(args.steps)
     profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
     while engine.has_unfinished():  # free the pages for the next row
         engine.step()
-    return {"op": "serving_decode", "impl": "xla_ext_torchax", "batch": batch,
-            "shape": f"B={batch},context={args.context}", "time_per_step_ms": seconds * 1e3,
-            "tokens_per_s": batch / seconds, "bucket": outs[0].bucket,
-            "prefill_s": round(prefill_s, 3)}, profile
+    return _with_floor({
+        "op": "serving_decode", "impl": "xla_ext_torchax", "scheduling": _mode(engine),
+        "batch": batch, "shape": f"B={batch},context={args.context}",
+        "time_per_step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
+        "bucket": outs[0].bucket, "prefill_s": round(prefill_s, 3), "host_us": host_us},
+        profile, floor_ms(engine, run["weight_bytes"], batch * (args.context + args.warmup),
+                          run["copy_gbps"])), profile
 
 
-def ours_mixed(engine, args, profile_steps):
+def _with_floor(row, profile, floor):
+    """The row with its GPU time (from the profile) and its floor beside the wall time."""
+    if profile:
+        row["gpu_ms_per_step"] = round(profile["gpu_us_per_step"] / 1e3, 3)
+        row["wall_over_gpu"] = round(row["time_per_step_ms"] / row["gpu_ms_per_step"], 3)
+    if floor:
+        row["floor_ms"] = round(floor, 3)
+        row["wall_over_floor"] = round(row["time_per_step_ms"] / floor, 3)
+    return row
+
+
+def ours_mixed(engine, args, profile_steps, host, run):
     """48 decodes beside chunks of 16 new prompts; returns (row, profile of profile_steps more
-    steps or None). Leaves the engine's sequences unfinished (the engine is dropped after)."""
+    steps or None). Aborts what is left of its requests at the end."""
     for prompt in _prompts(MIXED_DECODES, args.context, engine.shape.vocab_size, seed=101):
         engine.add_request(prompt, max_new_tokens=10_000 // MIXED_DECODES)
     _run_prefill(engine)
     engine.scheduler.max_num_batched_tokens = MIXED_BUDGET
     for prompt in _prompts(MIXED_PREFILLS, args.context, engine.shape.vocab_size, seed=102):
         engine.add_request(prompt, max_new_tokens=1)
-    outs, seconds = _timed_steps(engine, args)
+    outs, seconds = _timed_steps(engine, args, host)
     assert all(o.num_prefill_tokens > 0 and o.num_tokens - o.num_prefill_tokens >= MIXED_DECODES
                for o in outs), [(o.num_tokens, o.num_prefill_tokens) for o in outs]
+    host_us = host.per_step_us(args.steps)
     profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
     tokens = sum(o.num_tokens for o in outs) / args.steps
     prefill = sum(o.num_prefill_tokens for o in outs) / args.steps
-    row = {"op": "serving_mixed", "impl": "xla_ext_torchax",
+    row = {"op": "serving_mixed", "impl": "xla_ext_torchax", "scheduling": _mode(engine),
            "shape": f"{MIXED_DECODES} decodes at context {args.context} + chunks of "
                     f"{MIXED_PREFILLS} new {args.context}-token prompts, budget {MIXED_BUDGET}",
            "time_per_step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
            "decode_tokens_per_s": (tokens - prefill) / seconds,
-           "prefill_tokens_per_s": prefill / seconds, "bucket": outs[0].bucket}
-    return row, profile
+           "prefill_tokens_per_s": prefill / seconds, "bucket": outs[0].bucket,
+           "host_us": host_us}
+    # The K/V read: the decodes' contexts, and at most one prompt's for the chunk (its query
+    # rows share each K/V tile they read).
+    kv_tokens = (MIXED_DECODES + 1) * args.context
+    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort_request(seq.seq_id)
+    while engine.has_unfinished():
+        engine.step()
+    engine.scheduler.max_num_batched_tokens = args.max_batched_tokens
+    return _with_floor(row, profile, floor_ms(engine, run["weight_bytes"], kv_tokens,
+                                              run["copy_gbps"])), profile
 
 
 def gpu_profile(step, num_steps):
@@ -210,7 +309,11 @@ def main():
           f"made in {time.perf_counter() - t0:.1f} s", flush=True)
     result = {"machine": platform.node(), "model": args.config, "dtype": "bfloat16",
               "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-              "context": args.context, "steps": args.steps, "rows": [], "errors": []}
+              "context": args.context, "steps": args.steps, "rows": [], "errors": [],
+              "copy_gbps": None if "ours" not in impls else copy_gbps(args.device),
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if result["copy_gbps"]:
+        print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + written)", flush=True)
 
     def save():  # after every row: a run cut short keeps what it measured
         with open(args.out, "w") as f:
@@ -219,9 +322,11 @@ def main():
     def record(row):
         result["rows"].append(row)
         save()
-        print(f"{row['op']:15} {row['impl']:28} {row['shape']:24.24} "
-              f"{row['time_per_step_ms']:9.2f} ms/step {row['tokens_per_s']:10.0f} tokens/s",
-              flush=True)
+        extra = "".join(f" {k} {row[k]}" for k in ("gpu_ms_per_step", "floor_ms", "host_us")
+                        if k in row)
+        print(f"{row['op']:15} {row['impl']:28} {row.get('scheduling', ''):5} "
+              f"{row['shape']:24.24} {row['time_per_step_ms']:9.2f} ms/step "
+              f"{row['tokens_per_s']:10.0f} tokens/s{extra}", flush=True)
 
     if "ours" in impls:
         run_ours(model, batches, args, result, record)
@@ -249,7 +354,8 @@ def main():
                     "prefill_tokens_per_s"):
             if key in row:
                 row[key] = round(row[key], 3 if key == "time_per_step_ms" else 1)
-    ours = {r["batch"]: r for r in result["rows"] if r["impl"] == "xla_ext_torchax" and "batch" in r}
+    ours = {r["batch"]: r for r in result["rows"]
+            if r["impl"] == "xla_ext_torchax" and r["scheduling"] == "async" and "batch" in r}
     for r in result["rows"]:
         if r["impl"] != "xla_ext_torchax" and r.get("batch") in ours:
             r["ours_speedup"] = round(ours[r["batch"]]["tokens_per_s"] / r["tokens_per_s"], 3)
@@ -258,7 +364,8 @@ def main():
 
 
 def run_ours(model, batches, args, result, record):
-    """Our rows (decode at each batch, then mixed) and the profiles, through one engine."""
+    """Our rows (decode at each batch, then mixed; each with async scheduling off, then on) and
+    their profiles, through one engine."""
     t0 = time.perf_counter()
     engine = Engine(model, backend="torchax", dtype=torch.bfloat16, page_size=16,
                     max_num_seqs=max(max(batches), MIXED_DECODES + MIXED_PREFILLS),
@@ -266,16 +373,26 @@ def run_ours(model, batches, args, result, record):
                     max_model_len=args.context + 10_000 // MIXED_DECODES + 8)
     print(f"engine: {engine.num_pages} pages, buckets {engine.buckets}, made in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
+    host = HostTimes(engine)
+    # Bytes a step reads besides the K/V: every weight once (a tied embedding once, as the
+    # head; its rows for the step's tokens are next to nothing).
+    run = {"copy_gbps": result["copy_gbps"],
+           "weight_bytes": sum(p.numel() * 2 for p in model.parameters())}
     profiled = args.profile_steps if args.device == "cuda" else 0
     for batch in batches:
-        row, profile = ours_decode(engine, batch, args, profiled if batch == max(batches) else 0)
+        for mode in (False, True):
+            engine.async_scheduling = mode
+            row, profile = ours_decode(engine, batch, args, profiled, host, run)
+            record(row)
+            if profile:
+                result.setdefault("profiles", {})[f"decode {row['shape']} {row['scheduling']}"] = \
+                    profile
+    for mode in (False, True):
+        engine.async_scheduling = mode
+        row, profile = ours_mixed(engine, args, profiled, host, run)
         record(row)
         if profile:
-            result["profile_decode"] = dict(profile, shape=row["shape"])
-    row, profile = ours_mixed(engine, args, profiled)
-    record(row)
-    if profile:
-        result["profile_mixed"] = dict(profile, shape=row["shape"])
+            result.setdefault("profiles", {})[f"mixed {row['scheduling']}"] = profile
     result["compiled_buckets"] = sorted(engine.buckets_used)
     result["engine_s"] = round(time.perf_counter() - t0, 1)
 

@@ -26,6 +26,8 @@ flags.DEFINE_integer("max_num_seqs", 4, "generate: sequences per step at most")
 flags.DEFINE_integer("max_num_batched_tokens", 32, "generate: tokens per step at most "
                      "(longer prompts are prefilled in chunks)")
 flags.DEFINE_integer("page_size", 16, "generate: tokens per KV-cache page")
+flags.DEFINE_bool("async_scheduling", True, "generate: launch each step before the previous "
+                  "one's tokens are read back (--noasync_scheduling: one step at a time)")
 flags.DEFINE_bool("check", False, "generate: compare each request's tokens with transformers' "
                   "own greedy generate (exit status 1 where they differ)")
 FLAGS = flags.FLAGS
@@ -249,9 +251,10 @@ def generate():
     engine = Engine(model, backend=FLAGS.backend, page_size=FLAGS.page_size,
                     max_num_seqs=FLAGS.max_num_seqs,
                     max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-                    max_model_len=max_model_len)
+                    max_model_len=max_model_len, async_scheduling=FLAGS.async_scheduling)
     print(f"model: {about}")
-    print(f"engine: {engine.backend.name} on {engine.backend.device}; up to {FLAGS.max_num_seqs} "
+    print(f"engine: {engine.backend.name} on {engine.backend.device}, "
+          f"{'async' if engine.async_scheduling else 'synchronous'} scheduling; up to {FLAGS.max_num_seqs} "
           f"sequences and {FLAGS.max_num_batched_tokens} tokens per step, token buckets "
           f"{engine.buckets}, {engine.num_pages} KV pages of {FLAGS.page_size}")
     arrivals = [i * FLAGS.arrive_every for i in range(len(prompts))]

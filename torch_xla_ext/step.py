@@ -7,7 +7,25 @@ through LazyGraphExecutor::Async::Wait(), which would drop the copy). Waiting fo
 right after the failure raises that copy and drops it.
 """
 
+import contextlib
+
 from torch_xla_ext.errors import TorchXlaExtError
+
+
+@contextlib.contextmanager
+def failures_reported():
+    """Runs torch_xla work (a sync that launches a step, a read of its results): a failed
+    execution raises TorchXlaExtError and leaves no stale copy of its error behind."""
+    import torch_xla.core.xla_model as xm
+
+    try:
+        yield
+    except RuntimeError as e:
+        try:
+            xm.wait_device_ops()  # raises torch_xla's stored copy of the error once, then drops it
+        except RuntimeError:
+            pass
+        raise TorchXlaExtError(f"the XLA step failed: {e}") from e
 
 
 def sync():
@@ -18,12 +36,6 @@ def sync():
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    try:
+    with failures_reported():
         torch_xla.sync()
         xm.wait_device_ops()
-    except RuntimeError as e:
-        try:
-            xm.wait_device_ops()  # raises torch_xla's stored copy of the error once, then drops it
-        except RuntimeError:
-            pass
-        raise TorchXlaExtError(f"the XLA step failed: {e}") from e

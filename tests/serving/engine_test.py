@@ -1,6 +1,7 @@
 """The serving loop through torch_xla (PJRT_DEVICE=CPU) on a tiny random Llama (grouped-query
 attention): greedy tokens equal transformers' own generate in float32 for prompts of different
-lengths arriving at different steps, pages freed and reused, one compile per token bucket, and
+lengths arriving at different steps, with async scheduling (the default: a step's tokens fed to
+the next on the device) and without, pages freed and reused, one compile per token bucket, and
 a step's graph donating every layer's cache instead of copying it."""
 
 import glob
@@ -70,6 +71,19 @@ def test_tokens_equal_transformers_generate_and_pages_are_reused(model, expected
     again, _ = _generate(engine, model, [])
     assert again == expected
     assert met.metric_data("CompileTime")[0] - compiles_before == compiles
+
+
+def test_the_synchronous_loop_gives_the_same_tokens(model, expected):
+    """async_scheduling=False: each step launched and read back in the same step() call."""
+    import torch_xla.debug.metrics as met
+
+    engine = Engine(model, backend="torch_xla", async_scheduling=False, **ENGINE_ARGS)
+    reads_before = (met.metric_data("TransferFromDeviceTime") or [0])[0]
+    steps = []
+    tokens, _ = _generate(engine, model, steps)
+    assert tokens == expected
+    assert met.metric_data("TransferFromDeviceTime")[0] - reads_before == len(steps)
+    assert engine.allocator.num_free == engine.num_pages
 
 
 def test_tied_embeddings_and_llama3_rope(expected):

@@ -109,6 +109,64 @@ def test_eos_finishes_a_sequence_early():
     assert seq.output == [3, 5] and seq.finish_reason == "eos"
 
 
+def test_a_step_scheduled_ahead_takes_the_pending_token_as_a_placeholder():
+    """Async scheduling: step 1 is scheduled before step 0's tokens are known."""
+    sched = _scheduler(budget=16)
+    a, b = Sequence(0, [1, 2, 3], max_new_tokens=4), Sequence(1, [4, 5], max_new_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    step0 = sched.schedule()
+    assert [(c.seq.seq_id, c.token_ids, c.samples) for c in step0] == [
+        (0, [1, 2, 3], True), (1, [4, 5], True)]
+    step1 = sched.schedule()  # each sequence's token 0 is row 0 or 1 of step 0: -1 - row
+    assert [(c.seq.seq_id, c.start, c.token_ids) for c in step1] == [(0, 3, [-1]), (1, 2, [-2])]
+    assert a.num_tokens == 5 and list(a.pending_rows) == [0, 0]
+    sched.update(step0, [7, 8])
+    assert a.output == [7] and b.output == [8] and list(b.pending_rows) == [1]
+    step2 = sched.schedule()  # step 1's tokens are still in flight
+    assert [(c.start, c.token_ids) for c in step2] == [(4, [-1]), (3, [-2])]
+    sched.update(step1, [9, 10])
+    assert a.tokens(0, 6) == [1, 2, 3, 7, 9, -1]
+
+
+def test_a_sequence_whose_last_token_is_in_flight_is_not_scheduled_again():
+    sched = _scheduler()
+    one, two = Sequence(0, [1, 2], max_new_tokens=1), Sequence(1, [3], max_new_tokens=2)
+    sched.add(one)
+    sched.add(two)
+    step0 = sched.schedule()
+    step1 = sched.schedule()
+    assert [c.seq.seq_id for c in step1] == [1]  # one's only token is in flight
+    assert sched.update(step0, [5, 6]) == [one] and one.finish_reason == "length"
+    assert sched.schedule() == []  # two's last token is in flight in step 1
+    assert sched.update(step1, [7]) == [two] and two.output == [6, 7]
+    assert not sched.has_unfinished() and sched.allocator.num_free == 64
+
+
+def test_eos_drops_the_token_of_a_step_already_in_flight():
+    sched = _scheduler()
+    seq = Sequence(0, [1, 2], max_new_tokens=10, eos_token_id=5)
+    sched.add(seq)
+    step0, step1 = sched.schedule(), sched.schedule()
+    assert sched.update(step0, [5]) == [seq]  # EOS: finished, pages free, step 1 in flight
+    assert sched.allocator.num_free == 64 and not sched.has_unfinished()
+    assert sched.update(step1, [9]) == [] and seq.output == [5] and seq.finish_reason == "eos"
+
+
+def test_abort_frees_the_pages_and_drops_tokens_in_flight():
+    sched = _scheduler(max_num_seqs=2)
+    a, b, c = (Sequence(i, [1, 2, 3], max_new_tokens=5) for i in range(3))
+    for seq in (a, b, c):
+        sched.add(seq)
+    step0 = sched.schedule()
+    assert sched.abort(2) is c and c.finish_reason == "abort" and list(sched.waiting) == []
+    assert sched.abort(0) is a and sched.allocator.table(0) == []
+    assert sched.allocator.num_free == 64 - len(sched.allocator.table(1))
+    assert sched.update(step0, [7, 8]) == [] and a.output == [] and b.output == [8]
+    assert sched.abort(0) is None and sched.abort(99) is None
+    assert [ch.seq.seq_id for ch in sched.schedule()] == [1]
+
+
 def test_requests_that_can_never_run_are_refused():
     sched = _scheduler(num_blocks=4, page_size=4, max_model_len=64)
     with pytest.raises(TorchXlaExtError, match="argument 'prompt': expected at least one token"):

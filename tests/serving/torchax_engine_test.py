@@ -1,6 +1,6 @@
 """The same serving loop and model code through torchax (a jax.jit step; here JAX's CPU, with
-our Host handlers): greedy tokens equal transformers' generate in float32, one compile per
-token bucket, and the caches donated to the step."""
+our Host handlers): greedy tokens equal transformers' generate in float32, with async
+scheduling on and off, one compile per token bucket, and the caches donated to the step."""
 
 import pytest
 
@@ -20,13 +20,14 @@ def compiles():
     return events
 
 
-def test_tokens_equal_transformers_generate(compiles):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_tokens_equal_transformers_generate(compiles, async_scheduling):
     model = hf.random_model(hf.TINY, seed=0)
     eos = model.config.eos_token_id
     requests = prompts(model.config.vocab_size)
     expected = [hf.reference_generate(model, p, MAX_NEW_TOKENS, eos)[0] for p in requests]
-    engine = Engine(model, backend="torchax", **ENGINE_ARGS)
-    first_cache = engine.caches[0].jax()
+    engine = Engine(model, backend="torchax", async_scheduling=async_scheduling, **ENGINE_ARGS)
+    first_cache = engine.caches[0]  # a JAX array: the step is called on JAX arrays directly
     before = len(compiles)
     assert engine.generate(requests, MAX_NEW_TOKENS, ARRIVALS, eos_token_id=eos) == expected
     # Donated to the first step: its buffer now belongs to the step's result.

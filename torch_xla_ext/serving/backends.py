@@ -1,13 +1,22 @@
 """Where a step runs: the same torch model code (llama.forward) on torch_xla's lazy tensors or
-as a torchax jax.jit function. Each backend puts the weights and caches on its device, runs a
-step on a packed host buffer, and hands back the step's outputs as NumPy arrays.
+as one jax.jit executable (torchax traces it once per shape). Each backend puts the weights and
+caches on its device, launches a step on a packed host buffer without waiting for it (`run`),
+and reads a launched step's outputs back as NumPy arrays (`fetch`), so that the engine can pack
+and launch the next step while one runs. The step's sampled tokens stay on the device as the
+next step's `previous_tokens`.
 
-  torch_xla  lazy tensors: the step's ops are recorded, then torch_xla_ext.sync() compiles (once
-             per shape) and runs them as one XLA graph; the caches, written in place, are
-             donated to the graph (input/output aliasing), not copied.
-  torchax    the step is a jax.jit function (torchax.interop.jax_jit) compiled once per shape,
-             the caches donated (donate_argnums); on the GPU, XLA GPU runs our CUDA handlers.
+  torch_xla  lazy tensors: the step's ops are recorded, then torch_xla.sync() compiles (once per
+             shape) and launches them as one XLA graph; the caches, written in place, are
+             donated to the graph (input/output aliasing), not copied. torch_xla waits for the
+             step before it launches the next (its device lock), so what overlaps the running
+             step is the host's scheduling, packing and tracing of the next one.
+  torchax    the step is a jax.jit function of plain JAX arrays, compiled once per shape, the
+             caches donated (donate_argnums) and the executable called directly: torchax's
+             tensors exist only while the step is traced, so a call converts nothing. On the
+             GPU, XLA GPU runs our CUDA handlers.
 """
+
+import functools
 
 import numpy as np
 import torch
@@ -42,15 +51,31 @@ class TorchXlaBackend:
         torch_xla_ext.sync()
         return weights, caches
 
-    def run(self, shape, layout, with_logits, weights, caches, packed):
-        import torch_xla_ext
+    def tokens(self, count):
+        """`count` int32 zeros on the device: previous_tokens where no step came before. Sent
+        as data, as a step's own tokens are, so that the first step's graph is the next ones'."""
+        return torch.zeros(count, dtype=torch.int32).to(self.device)
+
+    def run(self, shape, layout, with_logits, weights, caches, packed, previous_tokens):
+        """Launches a step; returns (its outputs on the device, the caches it writes)."""
+        import torch_xla
+
+        from torch_xla_ext.step import failures_reported
 
         packed = torch.from_numpy(packed).to(self.device)
-        outputs, caches = llama.forward(shape, layout, with_logits, weights, caches, packed)
-        # Runs the step's graph (its writes included) before anything is read back: a read
+        outputs, caches = llama.forward(shape, layout, with_logits, weights, caches, packed,
+                                        previous_tokens)
+        # Launches the step's graph (its writes included) before anything is read back: a read
         # first would run the writes in a graph of their own, copying the caches.
-        torch_xla_ext.sync()
-        return [o.cpu().numpy() for o in outputs], caches
+        with failures_reported():
+            torch_xla.sync()
+        return outputs, caches
+
+    def fetch(self, outputs):
+        from torch_xla_ext.step import failures_reported
+
+        with failures_reported():
+            return [o.cpu().numpy() for o in outputs]
 
 
 class TorchaxBackend:
@@ -59,12 +84,9 @@ class TorchaxBackend:
     def __init__(self):
         import torch_xla_ext.torchax_ops  # noqa: F401  (before torchax's environment exists)
         import torchax
-        import torchax.interop
 
         self.env = torchax.default_env()
-        self._step = torchax.interop.jax_jit(
-            llama.forward, kwargs_for_jax_jit={"static_argnums": (0, 1, 2),
-                                               "donate_argnums": (4,)})
+        self._steps = {}  # (shape, layout, with_logits) -> the jitted step
 
     @property
     def device(self):
@@ -73,18 +95,45 @@ class TorchaxBackend:
         return jax.devices()[0]
 
     def put(self, weights, cache_shapes, cache_dtype):
+        """(weights, caches) as JAX arrays on the device (a pytree of them, and a list)."""
         weights = _map(lambda t: t.cpu(), weights)  # outside the environment: torch's own .cpu()
         with self.env:
-            weights = _map(lambda t: t.to("jax"), weights)
-            caches = [torch.zeros(s, dtype=cache_dtype, device="jax") for s in cache_shapes]
+            weights = _map(lambda t: t.to("jax").jax(), weights)
+            caches = [torch.zeros(s, dtype=cache_dtype, device="jax").jax()
+                      for s in cache_shapes]
         return weights, caches
 
-    def run(self, shape, layout, with_logits, weights, caches, packed):
-        packed = torch.from_numpy(packed)  # made outside the environment: a CPU tensor
-        with self.env:
-            outputs, caches = self._step(shape, layout, with_logits, weights, caches,
-                                         packed.to("jax"))
-            return [np.asarray(o.jax()) for o in outputs], caches
+    def tokens(self, count):
+        import jax.numpy as jnp
+
+        return jnp.zeros(count, jnp.int32)
+
+    def _step(self, shape, layout, with_logits):
+        key = (shape, layout, with_logits)
+        if key not in self._steps:
+            import jax
+            import torchax.interop
+
+            on_jax_arrays = torchax.interop.jax_view(
+                functools.partial(llama.forward, shape, layout, with_logits))
+            env = self.env
+
+            def step(weights, caches, packed, previous_tokens):
+                with env:  # only while tracing: the compiled step is plain XLA
+                    return on_jax_arrays(weights, caches, packed, previous_tokens)
+
+            self._steps[key] = jax.jit(step, donate_argnums=(1,))
+        return self._steps[key]
+
+    def run(self, shape, layout, with_logits, weights, caches, packed, previous_tokens):
+        outputs, caches = self._step(shape, layout, with_logits)(weights, caches, packed,
+                                                                 previous_tokens)
+        for output in outputs:  # on its way to the host while the next step is packed
+            output.copy_to_host_async()
+        return outputs, caches
+
+    def fetch(self, outputs):
+        return [np.asarray(o) for o in outputs]
 
 
 BACKENDS = {"torch_xla": TorchXlaBackend, "torchax": TorchaxBackend}

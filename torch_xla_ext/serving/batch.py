@@ -67,10 +67,35 @@ def pick_bucket(buckets, num_tokens):
                            f"{buckets[-1]} (max_num_batched_tokens)")
 
 
-def build(chunks, tables, layout, page_size, num_pages):
+class HostBatch:
+    """The packed buffers of an engine's steps, allocated once: two per token bucket, used in
+    turn, so that a step may be packed while the one before it (whose buffer the device may
+    still read) runs."""
+
+    def __init__(self, buckets, max_num_seqs, pages_per_seq):
+        self.layouts = {b: StepLayout(b, max_num_seqs, pages_per_seq) for b in buckets}
+        self._buffers = {b: (np.zeros(layout.size, np.int32), np.zeros(layout.size, np.int32))
+                         for b, layout in self.layouts.items()}
+        self._turn = 0
+
+    def pack(self, chunks, tables, bucket, page_size, num_pages):
+        """(layout, packed buffer) of a step running `chunks` in the given bucket."""
+        self._turn ^= 1
+        layout = self.layouts[bucket]
+        return layout, build(chunks, tables, layout, page_size, num_pages,
+                             out=self._buffers[bucket][self._turn])
+
+
+def build(chunks, tables, layout, page_size, num_pages, out=None):
     """The packed int32 buffer of a step running `chunks` (scheduler.Chunk, in row order);
-    tables[i] is chunks[i]'s block table. Checked as the ops would check it."""
-    packed = np.zeros(layout.size, np.int32)
+    tables[i] is chunks[i]'s block table. Written into `out` (layout.size int32) when given.
+    Checked as the ops would check it; a pending token (placeholder -1 - r) must name a row
+    r of the previous step's sampled tokens."""
+    if out is None:
+        packed = np.zeros(layout.size, np.int32)
+    else:
+        packed = out
+        packed.fill(0)
     a = layout.unpack(packed)  # views: writing them fills packed
     count = len(chunks)
     lens = np.fromiter((c.num_tokens for c in chunks), np.int64, count)
@@ -81,7 +106,7 @@ def build(chunks, tables, layout, page_size, num_pages):
         a["page_indices"][i, :len(table)] = table
     # Row r of chunk i holds position starts[i] + (r - first row of i).
     positions = np.arange(rows) + np.repeat(starts - (ends - lens), lens)
-    a["token_ids"][:rows] = [t for c in chunks for t in c.seq.tokens(c.start, c.start + c.num_tokens)]
+    a["token_ids"][:rows] = [t for c in chunks for t in c.token_ids]
     a["positions"][:rows] = positions
     pages = a["page_indices"][np.repeat(np.arange(count), lens), positions // page_size]
     a["slot_mapping"][:rows] = pages * page_size + positions % page_size
@@ -91,6 +116,11 @@ def build(chunks, tables, layout, page_size, num_pages):
     a["cu_q_lens"][1:count + 1] = ends
     a["sample_rows"][:count] = ends - 1
     a["num_seqs"][0] = count
+    if rows and a["token_ids"][:rows].min() < -layout.max_num_seqs:
+        i = int(np.argmin(a["token_ids"][:rows]))
+        raise TorchXlaExtError(f"step batch: argument 'token_ids': expected token ids >= 0 or "
+                               f"placeholders -1 - r for rows r < max_num_seqs = "
+                               f"{layout.max_num_seqs}, got token_ids[{i}] = {a['token_ids'][i]}")
     checks.slot_values("xla_ext.kv_cache_update", a["slot_mapping"], num_pages * page_size,
                        "num_pages * page_size")
     checks.ragged_values(a["kv_lens"], a["page_indices"], a["cu_q_lens"], a["num_seqs"],

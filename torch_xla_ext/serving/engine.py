@@ -7,9 +7,18 @@
         out = engine.step()                                # out.new_tokens: {seq_id: token}
 
 A step: the scheduler picks this step's chunks (scheduler.py), the host packs them into one int32
-buffer padded to a token bucket (batch.py), the backend runs the model step on it as one XLA
+buffer padded to a token bucket (batch.py), the backend launches the model step on it as one XLA
 graph (backends.py, llama.py), and the sampled tokens go back to the scheduler, which finishes
 sequences and frees their pages.
+
+Async scheduling (the default): each `step()` schedules, packs and launches the next step
+before it waits for the one it reports, so the host's work runs while the device computes. The
+next step takes the running step's sampled tokens on the device (placeholders in its batch,
+filled in the graph: scheduler.py), and they reach the host one step later, off the critical
+path. A sequence that ends on its EOS token, or is aborted, while a step for it is already in
+flight has that step's token dropped; one whose max_new_tokens-th token is in flight is not
+scheduled again. `async_scheduling=False` launches a step and waits for it in the same call.
+Either way each `step()` reports one step, in order, and the tokens are the same.
 
 Compiles: one per token bucket a step uses (buckets: batch.token_buckets, e.g. 16, 32, 64, 128,
 256 for max_num_batched_tokens=256), whatever the requests, since max_num_seqs and
@@ -36,20 +45,31 @@ class StepOutput:
     num_prefill_tokens: int
     bucket: int  # the padded token count the step ran at
     first_use_of_bucket: bool  # the step compiled (or loaded) its graph
-    seconds: float  # wall time of the step: scheduling, the step on the device, read-back
+    seconds: float  # wall time of the step() call that reported it
     new_tokens: dict  # seq_id -> the token generated for it in this step
     finished: dict  # seq_id -> all its generated tokens, for those that finished
     logits: Optional[dict] = None  # seq_id -> float32 logits of the new token (with_logits)
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step launched on the device, its results not yet read back."""
+    step: int
+    chunks: list
+    bucket: int
+    first_use_of_bucket: bool
+    outputs: list  # the backend's device arrays: token ids (+ logits)
+
+
 class Engine:
     def __init__(self, model, *, backend="torch_xla", dtype=None, page_size=16, num_pages=None,
                  max_num_seqs=8, max_num_batched_tokens=256, max_model_len=None,
-                 smallest_bucket=16, with_logits=False):
+                 smallest_bucket=16, with_logits=False, async_scheduling=True):
         """`model`: a transformers LlamaForCausalLM (its weights are copied to the device in
         `dtype`, default the model's). num_pages: default enough for max_num_seqs sequences of
         max_model_len tokens (default config.max_position_embeddings). with_logits: also
-        return each new token's logits (StepOutput.logits), for comparisons."""
+        return each new token's logits (StepOutput.logits), for comparisons. async_scheduling:
+        launch the next step before waiting for the current one (module docstring)."""
         if backend not in backends.BACKENDS:
             raise TorchXlaExtError(f"Engine: argument 'backend': expected one of "
                                    f"{sorted(backends.BACKENDS)}, got {backend!r}")
@@ -62,16 +82,21 @@ class Engine:
         self.pages_per_seq = pages_per_seq
         self.buckets = batch.token_buckets(max_num_batched_tokens, smallest_bucket)
         self.with_logits = with_logits
+        self.async_scheduling = bool(async_scheduling)
         self.allocator = BlockAllocator(self.num_pages, page_size)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
                                    max_model_len)
+        self.host_batch = batch.HostBatch(self.buckets, max_num_seqs, pages_per_seq)
         self.backend = backends.BACKENDS[backend]()
         cache_shape = (self.num_pages, page_size, 2 * self.shape.num_kv_heads,
                        self.shape.head_dim)
         self.weights, self.caches = self.backend.put(
             host_weights, [cache_shape] * self.shape.num_layers, host_weights["embed"].dtype)
+        self._previous_tokens = self.backend.tokens(max_num_seqs)
+        self._in_flight = None  # a launched step whose results are not read yet
         self.buckets_used = set()
         self._steps = 0
+        self._launches = 0
         self._next_id = 0
 
     def add_request(self, prompt, max_new_tokens, eos_token_id=None):
@@ -86,37 +111,66 @@ class Engine:
         self._next_id += 1
         return seq.seq_id
 
+    def abort_request(self, seq_id):
+        """Ends a request now: its pages go back to the pool and no token of it is reported
+        from now on (a step in flight that computes one drops it). Returns True if it was
+        waiting or running, False if it had already finished or been aborted."""
+        if not isinstance(seq_id, int) or not 0 <= seq_id < self._next_id:
+            raise TorchXlaExtError(f"abort_request: argument 'seq_id': expected the id of a "
+                                   f"request added to this engine (0 ... {self._next_id - 1}), "
+                                   f"got {seq_id!r}")
+        return self.scheduler.abort(seq_id) is not None
+
     def has_unfinished(self):
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_steps(self):
         """Steps so far, counting those generate() waited through for arrivals."""
         return self._steps
 
-    def step(self):
-        """Runs one step; returns what it did (StepOutput)."""
-        start = time.perf_counter()
+    def _launch(self):
+        """Schedules, packs and launches a step; None when nothing is left to schedule."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            raise TorchXlaExtError("Engine.step: nothing to run; add a request first")
-        num_tokens = sum(c.num_tokens for c in chunks)
-        bucket = batch.pick_bucket(self.buckets, num_tokens)
-        layout = batch.StepLayout(bucket, self.max_num_seqs, self.pages_per_seq)
-        packed = batch.build(chunks, [self.allocator.table(c.seq.seq_id) for c in chunks],
-                             layout, self.page_size, self.num_pages)
+            return None
+        bucket = batch.pick_bucket(self.buckets, sum(c.num_tokens for c in chunks))
+        layout, packed = self.host_batch.pack(
+            chunks, [self.allocator.table(c.seq.seq_id) for c in chunks], bucket,
+            self.page_size, self.num_pages)
         outputs, self.caches = self.backend.run(self.shape, layout, self.with_logits,
-                                                self.weights, self.caches, packed)
-        token_ids = outputs[0][:len(chunks)]
-        sampled = [(c.seq.seq_id, i) for i, c in enumerate(chunks) if c.samples]
-        finished = self.scheduler.update(chunks, token_ids)
-        first_use = bucket not in self.buckets_used
+                                                self.weights, self.caches, packed,
+                                                self._previous_tokens)
+        self._previous_tokens = outputs[0]
+        launched = _Launched(self._launches, chunks, bucket, bucket not in self.buckets_used,
+                             outputs)
         self.buckets_used.add(bucket)
+        self._launches += 1
+        return launched
+
+    def step(self):
+        """Runs one step; returns what it did (StepOutput). With async scheduling, the step
+        after it is launched first."""
+        start = time.perf_counter()
+        if self._in_flight is None:
+            self._in_flight = self._launch()
+            if self._in_flight is None:
+                raise TorchXlaExtError("Engine.step: nothing to run; add a request first")
+        done = self._in_flight
+        self._in_flight = self._launch() if self.async_scheduling else None
+        outputs = self.backend.fetch(done.outputs)
+        chunks = done.chunks
+        token_ids = outputs[0][:len(chunks)]
+        # Tokens of sequences that finished or were aborted after this step was launched are
+        # dropped by the scheduler; the others are this step's new tokens.
+        sampled = [(c.seq.seq_id, i) for i, c in enumerate(chunks)
+                   if c.samples and not c.seq.finish_reason]
+        finished = self.scheduler.update(chunks, token_ids)
         out = StepOutput(
-            step=self._steps, num_seqs=len(chunks), num_tokens=num_tokens,
+            step=done.step, num_seqs=len(chunks), num_tokens=sum(c.num_tokens for c in chunks),
             num_prefill_tokens=sum(c.num_tokens for c in chunks
                                    if c.start < len(c.seq.prompt)),
-            bucket=bucket, first_use_of_bucket=first_use,
+            bucket=done.bucket, first_use_of_bucket=done.first_use_of_bucket,
             seconds=time.perf_counter() - start,
             new_tokens={seq_id: int(token_ids[i]) for seq_id, i in sampled},
             finished={s.seq_id: list(s.output) for s in finished},

@@ -121,16 +121,20 @@ def _rotate(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def forward(shape, layout, with_logits, weights, caches, packed):
+def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens):
     """One step: the batch `packed` (batch.StepLayout `layout`) through every layer, each
-    writing its K/V into caches[layer] in place. Returns ((token ids [max_num_seqs] int32, the
-    greedy pick for each sequence's last row in this step) + (logits [max_num_seqs, vocab] when
+    writing its K/V into caches[layer] in place. A token id -1 - r in the batch is the token the
+    previous step sampled in its row r: previous_tokens[r] (int32 [max_num_seqs], that step's
+    first result, still on the device). Returns ((token ids [max_num_seqs] int32, the greedy
+    pick for each sequence's last row in this step) + (logits [max_num_seqs, vocab] when
     with_logits), caches)."""
     inputs = layout.unpack(packed)
     t, h, kvh, d = layout.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
     positions = inputs["positions"]
     cos, sin = weights["rope_cos"][positions], weights["rope_sin"][positions]
-    x = F.embedding(inputs["token_ids"], weights["embed"])
+    token_ids = inputs["token_ids"]
+    fed_back = previous_tokens[(-1 - token_ids).clamp(min=0)]
+    x = F.embedding(torch.where(token_ids >= 0, token_ids, fed_back), weights["embed"])
     for layer, cache in zip(weights["layers"], caches):
         qkv = F.linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
                        layer["qkv_bias"])

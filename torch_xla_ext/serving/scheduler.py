@@ -8,6 +8,15 @@ and the cache's pages allow; a long prompt is cut to the budget left and continu
 steps. A step's sampled token counts only for a sequence whose chunk reached its last known
 token (the end of its prompt, or its last generated token).
 
+Steps may run ahead of their results (the engine's async scheduling): `schedule()` counts a
+chunk's tokens as computed and its sampled token as pending as soon as the chunk is scheduled,
+so the next step can be scheduled before this one's tokens are read back. A pending token is
+written into the next step's token ids as -1 - r, r being its row in the sampled tokens of the
+step that produces it; that step hands its sampled tokens to the next on the device, which
+resolves the placeholder there (llama.forward). A sequence whose last token (max_new_tokens) is
+pending is not scheduled again; one that ends on its EOS token, or is aborted, while a later
+step for it is in flight has that step's token dropped (`update`).
+
 Pages: a sequence is admitted only when the pages for its longest possible length (prompt +
 max_new_tokens - 1 tokens in the cache: the last generated token is never fed back) are free
 beside those the running sequences may still take. Pages are then taken as tokens arrive, so a
@@ -29,22 +38,29 @@ class Sequence:
     max_new_tokens: int
     eos_token_id: Optional[int] = None
     output: list = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    finish_reason: Optional[str] = None  # "length" or "eos"
+    num_computed: int = 0  # tokens whose K/V are in the cache, or written by a scheduled step
+    # Rows of the sampled tokens of scheduled steps not yet read back that hold this
+    # sequence's next tokens, oldest first.
+    pending_rows: collections.deque = dataclasses.field(default_factory=collections.deque)
+    finish_reason: Optional[str] = None  # "length", "eos" or "abort"
 
     @property
     def num_tokens(self):
-        """Tokens known so far: the prompt and the generated ones."""
-        return len(self.prompt) + len(self.output)
+        """Tokens so far: the prompt, the generated ones and those still pending."""
+        return len(self.prompt) + len(self.output) + len(self.pending_rows)
+
+    @property
+    def last_token_pending(self):
+        """Its max_new_tokens-th token is sampled by a step in flight: nothing more to run."""
+        return len(self.output) + len(self.pending_rows) >= self.max_new_tokens
 
     def tokens(self, start, end):
-        """Tokens start ... end - 1 of the prompt followed by the generated ones."""
-        n = len(self.prompt)
-        if end <= n:
-            return self.prompt[start:end]
-        if start >= n:
-            return self.output[start - n:end - n]
-        return self.prompt[start:] + self.output[:end - n]
+        """Tokens start ... end - 1 of the prompt followed by the generated ones, a pending
+        token as its placeholder -1 - row."""
+        known = len(self.prompt) + len(self.output)
+        head = self.prompt[start:end] if start < len(self.prompt) else []
+        head += self.output[max(start - len(self.prompt), 0):max(end - len(self.prompt), 0)]
+        return head + [-1 - self.pending_rows[i - known] for i in range(max(start, known), end)]
 
     @property
     def max_cached_tokens(self):
@@ -54,17 +70,20 @@ class Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """num_tokens tokens of `seq`, from position start, run in this step. `samples`: the chunk
-    reaches the sequence's last known token, so the step's token for it is the next one."""
+    """num_tokens tokens of `seq`, from position start, run in this step: token_ids (a pending
+    one as its placeholder). `samples`: the chunk reaches the sequence's last token, so the
+    step's token for it is the next one."""
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
+    token_ids: list
 
 
 def _chunk(seq, num_tokens):
-    return Chunk(seq, seq.num_computed, num_tokens,
-                 seq.num_computed + num_tokens == seq.num_tokens)
+    start = seq.num_computed
+    return Chunk(seq, start, num_tokens, start + num_tokens == seq.num_tokens,
+                 seq.tokens(start, start + num_tokens))
 
 
 class Scheduler:
@@ -112,12 +131,16 @@ class Scheduler:
                    - len(self.allocator.table(s.seq_id)) for s in self.running)
 
     def schedule(self):
-        """This step's chunks; the pages they write are given to their sequences."""
+        """This step's chunks; the pages they write are given to their sequences, their tokens
+        count as computed and their sampled tokens as pending (in row order: chunk i's token
+        is row i of the step's sampled tokens)."""
         budget = self.max_num_batched_tokens
         chunks = []
         for seq in self.running:
             if budget == 0:
                 break
+            if seq.last_token_pending:
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(_chunk(seq, n))
             budget -= n
@@ -133,18 +156,25 @@ class Scheduler:
             n = min(len(seq.prompt), budget)
             chunks.append(_chunk(seq, n))
             budget -= n
-        for chunk in chunks:
+        for row, chunk in enumerate(chunks):
             self.allocator.grow(chunk.seq.seq_id, chunk.start + chunk.num_tokens)
+            chunk.seq.num_computed += chunk.num_tokens
+            if chunk.samples:
+                chunk.seq.pending_rows.append(row)
         return chunks
 
     def update(self, chunks, sampled):
-        """Advances the step's chunks; `sampled[i]` is the token sampled for chunks[i].
-        Returns the sequences that finished; their pages are free again."""
+        """Takes the sampled tokens of a step that `schedule()` returned `chunks` for (the
+        oldest step not yet updated); `sampled[i]` is the token sampled for chunks[i]. Returns
+        the sequences that finished; their pages are free again. A token of a sequence that
+        finished or was aborted since the step was scheduled is dropped."""
         finished = []
         for chunk, token in zip(chunks, sampled):
             seq = chunk.seq
-            seq.num_computed += chunk.num_tokens
             if not chunk.samples:
+                continue
+            seq.pending_rows.popleft()
+            if seq.finish_reason:
                 continue
             seq.output.append(int(token))
             if seq.eos_token_id is not None and token == seq.eos_token_id:
@@ -157,3 +187,16 @@ class Scheduler:
             self.running.remove(seq)
             self.allocator.free(seq.seq_id)
         return finished
+
+    def abort(self, seq_id):
+        """Ends a waiting or running sequence now and frees its pages; returns it, or None if
+        no such sequence is waiting or running. Tokens of it that steps in flight sample are
+        dropped by `update`."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    seq.finish_reason = "abort"
+                    self.allocator.free(seq_id)
+                    return seq
+        return None
