@@ -10,7 +10,7 @@
 # torchax, a torchax wheel in .whl/ (see bench/README.md).
 #
 #   tools/device/run.sh [all|tests|bench|kv_cache|ragged|decode|serving]   (all: tests and
-#   bench; each fits 10 minutes)
+#   bench; each fits 10 minutes). SKIP_BUILD=1: keep the libraries an earlier phase built.
 #   tools/device/run.sh sanitize [memcheck|racecheck|synccheck ...]   (default: all three;
 #   named tools write <gpu>-sanitize-TOOL....txt)
 #   kv_cache: bench/kv_cache_bench.py through JAX and torchax -> <gpu>-kv-cache.json
@@ -32,6 +32,9 @@
 #             (throughput, time per step, profile); logs in <gpu>-serving.txt, its summary
 #             lines in <gpu>-serving-summary.txt. Needs the
 #             transformers wheel in .whl/ too (bench/README.md)
+#   serving_flags: bench/serving_bench.py --impls ours again with XLA_FLAGS=$SERVING_XLA_FLAGS
+#             (e.g. --xla_gpu_enable_triton_gemm=false), to set beside the serving phase's rows
+#             of the same lease -> <gpu>-serving-flags.json
 #   tp2:      bench/tp_bench.py --tp 2 (needs two GPUs): one decoder layer's serving step with
 #             heads split over 2 GPUs against 1 GPU, step times and the collective share
 #             -> <gpu>-tp2.json
@@ -64,7 +67,7 @@ fi
 TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == decode ]] && TESTS="$OUT/$GPU-decode-tests.txt"
 [[ $PHASE == ragged ]] && TESTS="$OUT/$GPU-ragged-tests.txt"
-[[ $PHASE == serving ]] && TESTS="$OUT/$GPU-serving-summary.txt"
+[[ $PHASE == serving || $PHASE == serving_flags ]] && TESTS="$OUT/$GPU-serving-summary.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
   SANITIZERS=("$@")
@@ -107,13 +110,17 @@ sanitize() {  # tools...
 }
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
-[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == tp1 || $PHASE == tp2 \
+[[ $PHASE == bench || $PHASE == kv_cache || $PHASE == tp1 || $PHASE == tp2 || $PHASE == serving_flags \
    || $PHASE == ncu_mixes || $PHASE == ncu_ragged || $PHASE == clocks_ragged ]] \
   || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
-step "build: tools/device/build_kernels.sh"
-tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
+if [[ ${SKIP_BUILD:-0} == 1 && -f torch_xla_ext/lib/libxla_ext_kernels.so ]]; then
+  step "build: skipped (SKIP_BUILD=1; the libraries of an earlier phase)"
+else
+  step "build: tools/device/build_kernels.sh"
+  tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
+fi
 
 if [[ $PHASE == sanitize ]]; then
   sanitize "${SANITIZERS[@]}"
@@ -273,6 +280,15 @@ if [[ $PHASE == serving ]]; then
   step "serving loop throughput: bench/serving_bench.py" | tee -a "$LOG"
   timeout 330 python3 bench/serving_bench.py --out "$OUT/$GPU-serving.json" 2>&1 | \
     grep -v -i warn | tee -a "$LOG" | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
+  step "done, status $status"
+  exit $status
+fi
+
+if [[ $PHASE == serving_flags ]]; then
+  step "serving loop, ours, XLA_FLAGS=${SERVING_XLA_FLAGS:?set SERVING_XLA_FLAGS}"
+  XLA_FLAGS="$SERVING_XLA_FLAGS" timeout 300 python3 bench/serving_bench.py --impls ours \
+    --out "$OUT/$GPU-serving-flags.json" 2>&1 | grep -v -i warn | \
+    grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
 fi
