@@ -119,9 +119,28 @@ def test_bad_requests_name_the_argument(model):
     from torch_xla_ext import TorchXlaExtError
 
     engine = Engine(model, backend="torch_xla", **ENGINE_ARGS)
-    with pytest.raises(TorchXlaExtError, match=r"argument 'prompt': expected token ids in "
-                       r"\[0, vocab_size = 512\), got 512"):
+    with pytest.raises(TorchXlaExtError, match=r"argument 'prompt': expected integer token ids "
+                       r"in \[0, vocab_size = 512\), got prompt\[1\] = 512"):
         engine.add_request([1, 512], 4)
+    with pytest.raises(TorchXlaExtError, match=r"argument 'prompt': .* got prompt\[0\] = 1.5"):
+        engine.add_request([1.5, 2], 4)
+    with pytest.raises(TorchXlaExtError, match=r"argument 'prompt': .* got prompt\[0\] = True"):
+        engine.add_request([True], 4)
+    with pytest.raises(TorchXlaExtError, match="argument 'prompt': expected at least one token"):
+        engine.add_request([], 4)
+    with pytest.raises(TorchXlaExtError, match=r"argument 'eos_token_id': expected None or an "
+                       r"integer token id in \[0, vocab_size = 512\), got 600"):
+        engine.add_request([1, 2], 4, eos_token_id=600)
+    for bad in (0, 2.0, None):
+        with pytest.raises(TorchXlaExtError, match="argument 'max_new_tokens': expected a "
+                           "positive integer"):
+            engine.add_request([1, 2], bad)
+    # Refused requests took no id, no page and no place in the queue.
+    assert not engine.has_unfinished() and engine.allocator.num_free == engine.num_pages
+    assert engine.add_request([1, 2], 1) == 0
+    out = engine.step()
+    assert list(out.finished) == [0] and len(out.finished[0]) == 1
+    assert not engine.has_unfinished()
     with pytest.raises(TorchXlaExtError, match="exceeds max_model_len = 128"):
         engine.add_request([1] * 120, 10)
     with pytest.raises(TorchXlaExtError, match="nothing to run; add a request first"):

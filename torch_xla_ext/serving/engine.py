@@ -51,6 +51,11 @@ class StepOutput:
     logits: Optional[dict] = None  # seq_id -> float32 logits of the new token (with_logits)
 
 
+def _is_token_id(value, vocab_size):
+    return (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            and 0 <= value < vocab_size)
+
+
 @dataclasses.dataclass
 class _Launched:
     """A step launched on the device, its results not yet read back."""
@@ -104,13 +109,22 @@ class Engine:
         self._next_id = 0
 
     def add_request(self, prompt, max_new_tokens, eos_token_id=None):
-        """Queues a request (prompt: token ids); returns its sequence id."""
-        prompt = [int(t) for t in prompt]
-        bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
-        if bad:
-            raise TorchXlaExtError(f"add_request: argument 'prompt': expected token ids in "
-                                   f"[0, vocab_size = {self.shape.vocab_size}), got {bad[0]}")
-        seq = Sequence(self._next_id, prompt, max_new_tokens, eos_token_id)
+        """Queues a request (prompt: token ids); returns its sequence id. A request it refuses
+        (the error names the argument) changes nothing."""
+        vocab = f"[0, vocab_size = {self.shape.vocab_size})"
+        prompt = list(prompt)
+        for i, token in enumerate(prompt):
+            if not _is_token_id(token, self.shape.vocab_size):
+                raise TorchXlaExtError(f"add_request: argument 'prompt': expected integer token "
+                                       f"ids in {vocab}, got prompt[{i}] = {token!r}")
+        if eos_token_id is not None and not _is_token_id(eos_token_id, self.shape.vocab_size):
+            raise TorchXlaExtError(f"add_request: argument 'eos_token_id': expected None or an "
+                                   f"integer token id in {vocab}, got {eos_token_id!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise TorchXlaExtError(f"add_request: argument 'max_new_tokens': expected a positive "
+                                   f"integer, got {max_new_tokens!r}")
+        seq = Sequence(self._next_id, [int(t) for t in prompt], int(max_new_tokens),
+                       None if eos_token_id is None else int(eos_token_id))
         self.scheduler.add(seq)
         self._next_id += 1
         return seq.seq_id
