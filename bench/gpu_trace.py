@@ -1,6 +1,6 @@
 """The GPU work of a piece of code, from torch.profiler's CUPTI trace, which records every
 kernel launched in this process: torch's, and those of JAX executables (tp_bench, the torchax
-serving loop)."""
+serving loop); and the copy bandwidth the benchmarks set their rows beside."""
 
 
 def gpu_events(run):
@@ -62,3 +62,27 @@ def print_graph_timeline(call, calls, label):
     for e in events:
         print(f"  start {e.time_range.start - origin:8.1f}  end {e.time_range.end - origin:8.1f}"
               f"  {e.name[:90]}")
+
+
+def copy_gbps():
+    """Device-to-device copy bandwidth (bytes read + written per second / 1e9) of a 1 GiB
+    copy launched eagerly (a copy captured in a CUDA graph reads about 20% low), or None
+    without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 20
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / seconds / 1e9

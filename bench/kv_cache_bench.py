@@ -150,26 +150,6 @@ def _check_last_step(cache, key, value, slots):
         "the last step's K/V rows are not in the cache"
 
 
-def copy_gbps():
-    """Device-to-device copy bandwidth (read + write) of the GPU, or None without one."""
-    if not torch.cuda.is_available():
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / 20
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / seconds / 1e9
-
-
 FRONTENDS = {"torch_xla": torch_xla_step_seconds, "jax": jax_step_seconds,
              "torchax": torchax_step_seconds}
 
@@ -180,6 +160,8 @@ def main():
     parser.add_argument("--sizes-mib", default="4,64,512,2048")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    from gpu_trace import copy_gbps
+
     copy = copy_gbps()
     if copy:
         print(f"copy bandwidth {copy:.0f} GB/s", flush=True)

@@ -10,7 +10,7 @@ The torch.compile rows run in a process of their own (torchax, imported for ours
 in its process).
 
     python bench/serving_bench.py --out bench/results/h100-serving.json            # the GPU run
-    python bench/serving_bench.py --config tiny --device cpu --batches 1,4 --context 64 \\
+    python bench/serving_bench.py --config tiny --device cpu --batches 1,4 --context 512 --steps 5 \\
         --impls ours,hf_eager --out /tmp/serving.json                     # a CPU smoke run
 
 Ours: torch_xla_ext.serving.Engine through torchax (each step one jax.jit executable called
@@ -43,31 +43,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402
 
+from gpu_trace import copy_gbps  # noqa: E402
 from torch_xla_ext.serving import Engine, hf  # noqa: E402
 
 MIXED_DECODES, MIXED_PREFILLS, MIXED_BUDGET = 48, 16, 512
 IMPLS = ("ours", "hf_eager", "hf_compile")
-
-
-def copy_gbps(device):
-    """Device-to-device copy bandwidth (bytes read + written per second / 1e9) of a 1 GiB copy,
-    launched eagerly (a copy captured in a CUDA graph reads about 20% low)."""
-    if device != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / 10
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / seconds / 1e9
 
 
 def floor_ms(engine, weight_bytes, kv_tokens, gbps):
@@ -320,7 +300,7 @@ def main():
     result = {"machine": platform.node(), "model": args.config, "dtype": "bfloat16",
               "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
               "context": args.context, "steps": args.steps, "rows": [], "errors": [],
-              "copy_gbps": None if "ours" not in impls else copy_gbps(args.device),
+              "copy_gbps": copy_gbps() if "ours" in impls and args.device == "cuda" else None,
               "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if result["copy_gbps"]:
         print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + written)", flush=True)
