@@ -67,7 +67,7 @@ class HostTimes:
              "fetch": ("backend", "fetch")}
 
     def __init__(self, engine):
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.reset()
         for part, (owner, name) in self.PARTS.items():
             target = getattr(engine, owner)
             setattr(target, name, self._timed(part, getattr(target, name)))
@@ -203,11 +203,10 @@ def gpu_profile(step, num_steps):
     kernels = {}
     for e in events:
         kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / num_steps
-    busy_us, end = 0.0, None
+    busy_us, end = 0.0, float("-inf")  # end: where the busy time counted so far ends
     for e in sorted(events, key=lambda e: e.time_range.start):
-        begin = e.time_range.start if end is None else max(e.time_range.start, end)
-        busy_us += max(e.time_range.end - begin, 0)
-        end = e.time_range.end if end is None else max(end, e.time_range.end)
+        busy_us += max(e.time_range.end - max(e.time_range.start, end), 0)
+        end = max(end, e.time_range.end)
     gpu_us = busy_us / num_steps
     ours = {n: t for n, t in kernels.items() if "xla_ext" in n}
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
