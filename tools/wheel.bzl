@@ -14,9 +14,11 @@ REQUIREMENTS = [
     "pyelftools>=0.31",
 ]
 
-# Optional dependencies: `pip install 'torch_xla_ext[gpu]'` for torch_xla on NVIDIA GPUs
-# (PJRT_DEVICE=GPU): the CUDA PJRT plugin that speaks torch_xla 2.9's PJRT C API (0.75), and
-# the CUDA 12 libraries it loads (those of jax-cuda12-plugin[with-cuda]==0.7.1).
+# Optional dependencies for torch_xla on NVIDIA GPUs (PJRT_DEVICE=GPU), one CUDA PJRT plugin
+# that torch_xla 2.9 can drive with the CUDA libraries it loads: `pip install
+# 'torch_xla_ext[gpu]'`, CUDA 12 (PJRT C API 0.75, torch_xla 2.9's; the libraries of
+# jax-cuda12-plugin[with-cuda]==0.7.1), or `'torch_xla_ext[gpu-cuda13]'`, CUDA 13 (0.76, adapted
+# by the shim; the libraries of jax-cuda13-plugin[with-cuda]==0.7.2).
 EXTRAS = {
     "gpu": [
         "jax-cuda12-pjrt==0.7.1",
@@ -32,6 +34,22 @@ EXTRAS = {
         "nvidia-nccl-cu12>=2.18.1",
         "nvidia-nvjitlink-cu12>=12.1.105",
         "nvidia-nvshmem-cu12>=3.2.5",
+    ],
+    "gpu-cuda13": [
+        "jax-cuda13-pjrt==0.7.2",
+        "nvidia-cublas>=13.0.0.19",
+        "nvidia-cuda-cupti>=13.0.48",
+        "nvidia-cuda-nvcc>=13.0.48",
+        "nvidia-cuda-nvrtc>=13.0.48",
+        "nvidia-cuda-runtime>=13.0.48",
+        "nvidia-cudnn-cu13>=9.12.0.46,<10.0",
+        "nvidia-cufft>=12.0.0.15",
+        "nvidia-cusolver>=12.0.3.29",
+        "nvidia-cusparse>=12.6.2.49",
+        "nvidia-nccl-cu13>=2.27.7",
+        "nvidia-nvjitlink>=13.0.39",
+        "nvidia-nvshmem-cu13>=3.3.20",
+        "nvidia-nvvm",
     ],
 }
 

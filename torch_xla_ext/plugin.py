@@ -1,17 +1,20 @@
 """torch_xla 2.9 on NVIDIA GPUs: the `torch_xla.plugins` entry point `gpu`, selected with
-PJRT_DEVICE=GPU (install with `pip install 'torch_xla_ext[gpu]'`).
+PJRT_DEVICE=GPU (install with `pip install 'torch_xla_ext[gpu]'` for CUDA 12, or
+`'torch_xla_ext[gpu-cuda13]'` for CUDA 13).
 
-torch_xla loads our PJRT shim (lib/libxla_ext_pjrt_shim.so), which wraps jax-cuda12-pjrt
-0.7.1's CUDA plugin (PJRT C API 0.75, the version torch_xla 2.9 speaks) and presents its
-platform as "gpu": under its own name, "cuda", torch_xla 2.9 aborts ("XLA:CUDA is not
-supported anymore"). Devices are then GPU:0, GPU:1, ... When torch_xla starts the client, our
-CUDA handlers (and those of every library given to load_kernels) are registered into the
-plugin through its FFI extension.
+torch_xla loads our PJRT shim (lib/libxla_ext_pjrt_shim.so), which wraps a CUDA PJRT plugin
+and presents its platform as "gpu": under its own name, "cuda", torch_xla 2.9 aborts ("XLA:CUDA
+is not supported anymore"). The plugin is jax-cuda12-pjrt 0.7.1's (PJRT C API 0.75, the
+version torch_xla 2.9 speaks) or jax-cuda13-pjrt 0.7.2's (0.76, which the shim adapts).
+Devices are then GPU:0, GPU:1, ... When torch_xla starts the client, our CUDA handlers (and
+those of every library given to load_kernels) are registered into the plugin through its FFI
+extension.
 
 PJRT_DEVICE has no underscore on purpose: torch_xla.runtime.device_type() keeps only the part
 before the first "_", and the plugin registry is looked up with that.
 """
 
+import collections
 import ctypes
 import importlib.metadata
 import importlib.util
@@ -28,39 +31,52 @@ RUNTIME_NAME = "torch_xla_gpu"
 SHIM_LIBRARY = os.path.join(_kernels.LIB_DIR, "libxla_ext_pjrt_shim.so")
 # Read by the shim: the plugin it wraps. Set here unless the user set it.
 PLUGIN_PATH_VARIABLE = "TORCH_XLA_EXT_PJRT_PLUGIN"
-CUDA_PLUGIN_DIST = "jax-cuda12-pjrt"
-CUDA_PLUGIN_VERSION = "0.7.1"  # its PJRT C API is 0.75, torch_xla 2.9's (0.7.0: 0.73, 0.7.2: 0.76)
-CUDA_PLUGIN_MODULE = "jax_plugins.xla_cuda12"
+CudaPluginDist = collections.namedtuple("CudaPluginDist", "dist version module pjrt_api extra")
+# The CUDA PJRT plugins the shim can wrap, in the order they are looked for: only these
+# versions speak a PJRT C API torch_xla 2.9 can drive (jax-cuda12-pjrt 0.7.0 is 0.73; 0.7.2 of
+# either is 0.76, of which only jax-cuda13-pjrt's is pinned and tested).
+CUDA_PLUGINS = (
+    CudaPluginDist("jax-cuda12-pjrt", "0.7.1", "jax_plugins.xla_cuda12", "0.75", "gpu"),
+    CudaPluginDist("jax-cuda13-pjrt", "0.7.2", "jax_plugins.xla_cuda13", "0.76", "gpu-cuda13"),
+)
 CUDA_PLUGIN_LIBRARY = "xla_cuda_plugin.so"
-INSTALL_HINT = (f"pip install 'torch_xla_ext[gpu]' "
-                f"(installs {CUDA_PLUGIN_DIST}=={CUDA_PLUGIN_VERSION})")
+INSTALL_HINT = " or ".join(f"pip install 'torch_xla_ext[{p.extra}]' ({p.dist}=={p.version})"
+                           for p in CUDA_PLUGINS)
 
 
 def cuda_plugin_path():
-    """The PJRT plugin the shim wraps: $TORCH_XLA_EXT_PJRT_PLUGIN if set, else jax-cuda12-pjrt's."""
+    """The PJRT plugin the shim wraps: $TORCH_XLA_EXT_PJRT_PLUGIN if set, else that of the
+    first of CUDA_PLUGINS installed."""
     if os.environ.get(PLUGIN_PATH_VARIABLE):
         return os.environ[PLUGIN_PATH_VARIABLE]
-    try:
-        version = importlib.metadata.version(CUDA_PLUGIN_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise TorchXlaExtError(
-            f"PJRT_DEVICE={PJRT_DEVICE} needs {CUDA_PLUGIN_DIST}=={CUDA_PLUGIN_VERSION}, which is "
-            f"not installed: {INSTALL_HINT}") from None
-    if version != CUDA_PLUGIN_VERSION:
-        raise TorchXlaExtError(
-            f"PJRT_DEVICE={PJRT_DEVICE} needs {CUDA_PLUGIN_DIST}=={CUDA_PLUGIN_VERSION} "
-            f"(PJRT C API 0.75, torch_xla 2.9's), found {version}: {INSTALL_HINT}")
-    spec = importlib.util.find_spec(CUDA_PLUGIN_MODULE)
-    path = os.path.join(spec.submodule_search_locations[0], CUDA_PLUGIN_LIBRARY) if spec else None
-    if path is None or not os.path.exists(path):
-        raise TorchXlaExtError(
-            f"{CUDA_PLUGIN_DIST} {version} is installed but {CUDA_PLUGIN_MODULE}/"
-            f"{CUDA_PLUGIN_LIBRARY} is missing; reinstall it: {INSTALL_HINT}")
-    return path
+    found = []
+    for candidate in CUDA_PLUGINS:
+        try:
+            version = importlib.metadata.version(candidate.dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if version != candidate.version:
+            found.append(f"{candidate.dist} {version} (PJRT C API {candidate.pjrt_api} is "
+                         f"{candidate.dist}=={candidate.version}'s)")
+            continue
+        spec = importlib.util.find_spec(candidate.module)
+        path = (os.path.join(spec.submodule_search_locations[0], CUDA_PLUGIN_LIBRARY)
+                if spec else None)
+        if path is None or not os.path.exists(path):
+            raise TorchXlaExtError(
+                f"{candidate.dist} {version} is installed but {candidate.module}/"
+                f"{CUDA_PLUGIN_LIBRARY} is missing; reinstall it: "
+                f"pip install --force-reinstall {candidate.dist}=={candidate.version}")
+        return path
+    wanted = " or ".join(f"{p.dist}=={p.version}" for p in CUDA_PLUGINS)
+    raise TorchXlaExtError(
+        f"PJRT_DEVICE={PJRT_DEVICE} needs {wanted}; "
+        + (f"found {', '.join(found)}" if found else "neither is installed")
+        + f": {INSTALL_HINT}")
 
 
 def load_shim():
-    """Points the shim at the CUDA plugin and checks it there (loadable, PJRT C API 0.75)
+    """Points the shim at the CUDA plugin and checks it there (loadable, PJRT C API 0.75/0.76)
     before torch_xla loads the shim, whose GetPjrtApi() could only return null. Returns the
     wrapped plugin's path."""
     path = cuda_plugin_path()

@@ -2,12 +2,15 @@
 // version 0.FAKE_PJRT_MINOR and of the 0.75 size (960 bytes) whose platform names read "cuda",
 // with an FFI extension (behind another extension) whose register_handler records its calls.
 // Client creation always fails with a message that counts the registrations made before it,
-// so torch_xla's own start-up shows whether they happened in time.
+// so torch_xla's own start-up shows whether they happened in time. Execute and
+// UpdateGlobalProcessInfo record the structs they were given, read in this version's layout
+// (from 0.76 on: PJRT_ExecuteOptions of 88 bytes, PJRT_ProcessInfo led by struct_size).
 //
 // The layout is written here from pjrt_c_api.h, apart from the shim's: function slots by
 // their position in PJRT_Api (0 PJRT_Error_Destroy, 1 _Message, 2 _GetCode,
 // 3 PJRT_Plugin_Initialize, 4 _Attributes, 10 PJRT_Client_Create,
-// 12 PJRT_Client_PlatformName, 84 PJRT_TopologyDescription_PlatformName).
+// 12 PJRT_Client_PlatformName, 55 PJRT_LoadedExecutable_Execute,
+// 84 PJRT_TopologyDescription_PlatformName, 113 PJRT_Client_UpdateGlobalProcessInfo).
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -26,7 +29,8 @@ namespace {
 constexpr int kSlots = (960 - 40) / 8;
 constexpr int kErrorDestroy = 0, kErrorMessage = 1, kErrorGetCode = 2, kPluginInitialize = 3,
               kPluginAttributes = 4, kClientCreate = 10, kClientPlatformName = 12,
-              kTopologyPlatformName = 84;
+              kExecute = 55, kTopologyPlatformName = 84, kUpdateGlobalProcessInfo = 113;
+constexpr bool kHasCallLocation = FAKE_PJRT_MINOR >= 76;  // and ProcessInfo's struct_size
 
 struct FakeApi {
   size_t struct_size;
@@ -71,6 +75,45 @@ struct Registration {
 };
 std::vector<Registration> registrations;
 
+// Prefixes of PJRT_LoadedExecutable_Execute_Args / PJRT_Client_UpdateGlobalProcessInfo_Args.
+struct ExecuteArgs {
+  size_t struct_size;
+  void* extension_start;
+  void* executable;
+  const unsigned char* options;
+};
+struct UpdateGlobalProcessInfoArgs {
+  size_t struct_size;
+  void* extension_start;
+  void* client;
+  const unsigned char* process_infos;
+  size_t num_process_infos;
+};
+
+// What the last Execute saw: PJRT_ExecuteOptions' struct_size, launch_id (byte 48) and, from
+// 0.76, call_location (byte 80).
+struct SeenExecute {
+  size_t options_size;
+  int launch_id;
+  const char* call_location;
+} seen_execute;
+
+// What the last UpdateGlobalProcessInfo saw, per entry: its struct_size (0 before 0.76, where
+// there is none), task_id and error_message.
+struct SeenProcessInfo {
+  size_t struct_size;
+  int task_id;
+  std::string error_message;
+};
+std::vector<SeenProcessInfo> seen_process_infos;
+
+template <typename T>
+T Read(const unsigned char* at) {
+  T value;
+  std::memcpy(&value, at, sizeof(T));
+  return value;
+}
+
 void ErrorDestroy(PjrtErrorDestroyArgs* args) { delete args->error; }
 
 void ErrorMessage(PjrtErrorMessageArgs* args) {
@@ -109,6 +152,33 @@ PjrtError* PlatformName(PlatformNameArgs* args) {
   return nullptr;
 }
 
+PjrtError* Execute(ExecuteArgs* args) {
+  constexpr size_t kOptionsSize = kHasCallLocation ? 88 : 80;
+  const size_t given = Read<size_t>(args->options);
+  if (given < kOptionsSize) {  // as the real plugin's ActualStructSizeIsGreaterOrEqual
+    constexpr int kInvalidArgument = 3;
+    return new PjrtError{"Unexpected PJRT_ExecuteOptions size: expected " +
+                             std::to_string(kOptionsSize) + ", got " + std::to_string(given),
+                         kInvalidArgument};
+  }
+  seen_execute = {given, Read<int>(args->options + 48),
+                  kHasCallLocation ? Read<const char*>(args->options + 80) : nullptr};
+  return nullptr;
+}
+
+PjrtError* UpdateGlobalProcessInfo(UpdateGlobalProcessInfoArgs* args) {
+  constexpr size_t kEntrySize = kHasCallLocation ? 48 : 40, kFields = kHasCallLocation ? 8 : 0;
+  seen_process_infos.clear();
+  for (size_t i = 0; i < args->num_process_infos; ++i) {
+    const unsigned char* entry = args->process_infos + i * kEntrySize;
+    seen_process_infos.push_back(
+        {kHasCallLocation ? Read<size_t>(entry) : 0, Read<int>(entry + kFields),
+         std::string(Read<const char*>(entry + kFields + 24),
+                     Read<size_t>(entry + kFields + 32))});
+  }
+  return nullptr;
+}
+
 PjrtError* RegisterHandler(PjrtFfiRegisterHandlerArgs* args) {
   registrations.push_back({std::string(args->target_name, args->target_name_size),
                            std::string(args->platform_name, args->platform_name_size),
@@ -138,6 +208,8 @@ FakeApi MakeApi() {
   api.functions[kClientCreate] = reinterpret_cast<void*>(ClientCreate);
   api.functions[kClientPlatformName] = reinterpret_cast<void*>(PlatformName);
   api.functions[kTopologyPlatformName] = reinterpret_cast<void*>(PlatformName);
+  api.functions[kExecute] = reinterpret_cast<void*>(Execute);
+  api.functions[kUpdateGlobalProcessInfo] = reinterpret_cast<void*>(UpdateGlobalProcessInfo);
   return api;
 }
 
@@ -163,6 +235,25 @@ __attribute__((visibility("default"))) int fake_pjrt_registration(int i, char* t
   std::snprintf(platform, 256, "%s", registrations[i].platform.c_str());
   *handler = registrations[i].handler;
   *traits = registrations[i].traits;
+  return 0;
+}
+
+__attribute__((visibility("default"))) void fake_pjrt_seen_execute(size_t* options_size,
+                                                                    int* launch_id,
+                                                                    const char** call_location) {
+  *options_size = seen_execute.options_size;
+  *launch_id = seen_execute.launch_id;
+  *call_location = seen_execute.call_location;
+}
+
+// Entry `i` of the last UpdateGlobalProcessInfo, or -1 past its end.
+__attribute__((visibility("default"))) int fake_pjrt_seen_process_info(int i, size_t* struct_size,
+                                                                        int* task_id,
+                                                                        char* error_message) {
+  if (i < 0 || i >= static_cast<int>(seen_process_infos.size())) return -1;
+  *struct_size = seen_process_infos[i].struct_size;
+  *task_id = seen_process_infos[i].task_id;
+  std::snprintf(error_message, 256, "%s", seen_process_infos[i].error_message.c_str());
   return 0;
 }
 

@@ -29,6 +29,7 @@ def test_the_wheel_declares_the_plugin_entry_point_the_gpu_extra_and_ships_the_s
     assert "[torch_xla.plugins]\ngpu = torch_xla_ext.plugin:CudaPlugin\n" in entry_points
     assert "Provides-Extra: gpu" in metadata
     assert 'Requires-Dist: jax-cuda12-pjrt==0.7.1; extra == "gpu"' in metadata
+    assert 'Requires-Dist: jax-cuda13-pjrt==0.7.2; extra == "gpu-cuda13"' in metadata
     assert 'Requires-Dist: nvidia-cuda-runtime-cu12>=12.1.105; extra == "gpu"' in metadata
     # The extra's requirements come after its Provides-Extra line, none without a marker.
     gpu = [line for line in metadata if line.endswith('extra == "gpu"')]

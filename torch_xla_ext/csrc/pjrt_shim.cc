@@ -6,15 +6,24 @@
 // device type). Every other entry, extension_start included, is the real plugin's, so the
 // FFI extension that registers our handlers is reachable through the returned API.
 //
-// Only PJRT C API 0.75 (torch_xla 2.9's, jax-cuda12-pjrt==0.7.1's) is accepted: torch_xla's
-// XLA would read the argument structs of any other version with its own 0.75 layout.
+// torch_xla 2.9's XLA speaks PJRT C API 0.75 and fills every argument struct in that layout.
+// Two plugin versions are accepted:
+// - 0.75 (jax-cuda12-pjrt==0.7.1's plugin, CUDA 12), passed through as it is;
+// - 0.76 (jax-cuda13-pjrt==0.7.2's, CUDA 13), which differs in two structs a 0.75 caller
+//   fills. PJRT_ExecuteOptions gained a last field, call_location (80 -> 88 bytes), and the
+//   plugin refuses a smaller struct, so every execution would fail. PJRT_ProcessInfo gained a
+//   leading struct_size (40 -> 48 bytes) that the plugin reads unchecked. The shim upgrades
+//   both on their way in; every other struct and PJRT_Api itself (960 bytes) are the same.
+// Any other version is refused: the plugin would read 0.75 structs with its own layout.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "torch_xla_ext/csrc/pjrt_ffi_extension.h"
 
@@ -23,7 +32,11 @@ namespace {
 constexpr char kPluginPathVariable[] = "TORCH_XLA_EXT_PJRT_PLUGIN";
 constexpr char kPresentedPlatformName[] = "gpu";
 constexpr int kPjrtMajor = 0;
-constexpr int kPjrtMinor = 75;
+constexpr int kCallerMinor = 75;           // torch_xla 2.9's
+constexpr int kUpgradedPluginMinor = 76;  // accepted, with two structs upgraded
+constexpr char kInstallHint[] =
+    "install a matching plugin: pip install 'torch_xla_ext[gpu]' (jax-cuda12-pjrt==0.7.1, "
+    "CUDA 12) or 'torch_xla_ext[gpu-cuda13]' (jax-cuda13-pjrt==0.7.2, CUDA 13)";
 
 // PJRT_Client_PlatformName_Args and PJRT_TopologyDescription_PlatformName_Args share this
 // layout: {struct_size, extension_start, client or topology, platform_name, its size}.
@@ -43,20 +56,45 @@ using PlatformNameFn = PjrtError* (*)(PlatformNameArgs*);
 // jax-cuda12-pjrt 0.7.1's plugin, whose PJRT_Api (0.75) is 960 bytes.
 constexpr size_t kClientPlatformNameOffset = 40 + 8 * 12;
 constexpr size_t kTopologyPlatformNameOffset = 40 + 8 * 84;
+// PJRT_LoadedExecutable_Execute (56th) and PJRT_Client_UpdateGlobalProcessInfo (114th), from
+// the headers of XLA 92f7b59 (torch_xla 2.9's) and 0fccb8a (jax 0.7.2's).
+constexpr size_t kExecuteOffset = 40 + 8 * 55;
+constexpr size_t kUpdateGlobalProcessInfoOffset = 40 + 8 * 113;
+
+// The prefixes of PJRT_LoadedExecutable_Execute_Args and
+// PJRT_Client_UpdateGlobalProcessInfo_Args that hold the structs to upgrade.
+struct ExecuteArgsPrefix {
+  size_t struct_size;
+  void* extension_start;
+  void* executable;
+  unsigned char* options;  // PJRT_ExecuteOptions*
+};
+struct UpdateGlobalProcessInfoArgs {
+  size_t struct_size;
+  void* extension_start;
+  void* client;
+  unsigned char* process_infos;  // PJRT_ProcessInfo[num_process_infos]
+  size_t num_process_infos;
+};
+constexpr size_t kExecuteOptionsSize076 = 88;  // 0.75's 80 bytes, then call_location
+constexpr size_t kProcessInfoSize075 = 40;
+constexpr size_t kProcessInfoSize076 = 48;  // struct_size, then 0.75's 40 bytes
+using ArgsFn = PjrtError* (*)(void*);
 
 const unsigned char* real_api = nullptr;
-unsigned char* wrapped_api = nullptr;  // the real PJRT_Api's bytes, two entries replaced
+unsigned char* wrapped_api = nullptr;  // the real PJRT_Api's bytes, two (0.76: four) entries replaced
 std::mutex wrap_mutex;
 
-PlatformNameFn RealFunction(size_t offset) {
-  PlatformNameFn fn;
+template <typename Fn>
+Fn Real(size_t offset) {
+  Fn fn;
   std::memcpy(&fn, real_api + offset, sizeof(fn));
   return fn;
 }
 
 // Asks the real plugin first, so its argument checks and errors stay as they are.
 PjrtError* PresentPlatformName(size_t offset, PlatformNameArgs* args) {
-  if (PjrtError* error = RealFunction(offset)(args)) return error;
+  if (PjrtError* error = Real<PlatformNameFn>(offset)(args)) return error;
   args->platform_name = kPresentedPlatformName;
   args->platform_name_size = sizeof(kPresentedPlatformName) - 1;
   return nullptr;
@@ -70,7 +108,43 @@ PjrtError* TopologyPlatformName(PlatformNameArgs* args) {
   return PresentPlatformName(kTopologyPlatformNameOffset, args);
 }
 
-void Replace(size_t offset, PlatformNameFn fn) {
+// Runs the plugin's Execute with the caller's options copied into a 0.76 PJRT_ExecuteOptions
+// (call_location null: none given), then gives the caller its own options pointer back.
+PjrtError* ExecuteWithUpgradedOptions(void* raw_args) {
+  auto* args = static_cast<ExecuteArgsPrefix*>(raw_args);
+  const auto execute = Real<ArgsFn>(kExecuteOffset);
+  size_t given = 0;
+  if (args->options != nullptr) std::memcpy(&given, args->options, sizeof(given));
+  if (args->options == nullptr || given >= kExecuteOptionsSize076) return execute(raw_args);
+  alignas(8) unsigned char upgraded[kExecuteOptionsSize076] = {};
+  std::memcpy(upgraded, args->options, std::min(given, kExecuteOptionsSize076));
+  std::memcpy(upgraded, &kExecuteOptionsSize076, sizeof(size_t));
+  unsigned char* const original = args->options;
+  args->options = upgraded;
+  PjrtError* error = execute(raw_args);
+  args->options = original;
+  return error;
+}
+
+// The caller's 0.75 PJRT_ProcessInfo entries, each given the leading struct_size of 0.76.
+PjrtError* UpdateGlobalProcessInfoWithUpgradedInfos(void* raw_args) {
+  auto* args = static_cast<UpdateGlobalProcessInfoArgs*>(raw_args);
+  std::vector<unsigned char> upgraded(args->num_process_infos * kProcessInfoSize076);
+  for (size_t i = 0; i < args->num_process_infos; ++i) {
+    unsigned char* entry = upgraded.data() + i * kProcessInfoSize076;
+    std::memcpy(entry, &kProcessInfoSize076, sizeof(size_t));
+    std::memcpy(entry + sizeof(size_t), args->process_infos + i * kProcessInfoSize075,
+                kProcessInfoSize075);
+  }
+  unsigned char* const original = args->process_infos;
+  args->process_infos = upgraded.data();
+  PjrtError* error = Real<ArgsFn>(kUpdateGlobalProcessInfoOffset)(raw_args);
+  args->process_infos = original;
+  return error;
+}
+
+template <typename Fn>
+void Replace(size_t offset, Fn fn) {
   std::memcpy(wrapped_api + offset, &fn, sizeof(fn));
 }
 
@@ -84,7 +158,7 @@ const void* Wrap(std::string* error) {
     *error = std::string("$") + kPluginPathVariable +
              " is not set; it names the PJRT plugin to wrap. torch_xla_ext.plugin sets it when "
              "PJRT_DEVICE=GPU selects this plugin; elsewhere set it to the path of "
-             "jax-cuda12-pjrt 0.7.1's xla_cuda_plugin.so";
+             "jax-cuda12-pjrt 0.7.1's or jax-cuda13-pjrt 0.7.2's xla_cuda_plugin.so";
     return nullptr;
   }
   void* plugin = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -102,15 +176,14 @@ const void* Wrap(std::string* error) {
   }
   const int major = api->pjrt_api_version.major_version;
   const int minor = api->pjrt_api_version.minor_version;
-  if (major != kPjrtMajor || minor != kPjrtMinor) {
+  if (major != kPjrtMajor || (minor != kCallerMinor && minor != kUpgradedPluginMinor)) {
     *error = std::string(path) + " speaks PJRT C API " + std::to_string(major) + "." +
              std::to_string(minor) + ", but torch_xla 2.9 speaks " + std::to_string(kPjrtMajor) +
-             "." + std::to_string(kPjrtMinor) +
-             "; install the matching plugin: pip install 'torch_xla_ext[gpu]' "
-             "(jax-cuda12-pjrt==0.7.1)";
+             "." + std::to_string(kCallerMinor) +
+             " (0.76 is adapted to it); " + kInstallHint;
     return nullptr;
   }
-  if (api->struct_size < kTopologyPlatformNameOffset + sizeof(PlatformNameFn)) {
+  if (api->struct_size < kUpdateGlobalProcessInfoOffset + sizeof(ArgsFn)) {
     *error = std::string(path) + ": its PJRT_Api is " + std::to_string(api->struct_size) +
              " bytes, too small for PJRT C API 0.75 (960 bytes)";
     return nullptr;
@@ -122,6 +195,10 @@ const void* Wrap(std::string* error) {
   std::memcpy(wrapped_api, real_api, api->struct_size);
   Replace(kClientPlatformNameOffset, ClientPlatformName);
   Replace(kTopologyPlatformNameOffset, TopologyPlatformName);
+  if (minor == kUpgradedPluginMinor) {
+    Replace(kExecuteOffset, ExecuteWithUpgradedOptions);
+    Replace(kUpdateGlobalProcessInfoOffset, UpdateGlobalProcessInfoWithUpgradedInfos);
+  }
   return wrapped_api;
 }
 
