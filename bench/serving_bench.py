@@ -12,9 +12,13 @@ in its process).
     python bench/serving_bench.py --out bench/results/h100-serving.json            # the GPU run
     python bench/serving_bench.py --config tiny --device cpu --batches 1,4 --context 512 --steps 5 \\
         --impls ours,hf_eager --out /tmp/serving.json                     # a CPU smoke run
+    PJRT_DEVICE=GPU python bench/serving_bench.py --backend torch_xla --impls ours --device cpu \\
+        --out /tmp/serving-torch-xla.json        # ours through torch_xla on the GPU (no trace)
 
 Ours: torch_xla_ext.serving.Engine through torchax (each step one jax.jit executable called
-directly, caches donated), page size 16, max_num_seqs 64, up to 8192 tokens per step while
+directly, caches donated), or through torch_xla with --backend torch_xla (the model is made on
+--device, cpu, and the engine moves it to torch_xla's device; no GPU trace, no copy bandwidth:
+torch's CUDA is not there), page size 16, max_num_seqs 64, up to 8192 tokens per step while
 prefilling. A decode row: B requests with CONTEXT-token random prompts are prefilled, then
 WARMUP decode steps, then STEPS timed engine.step() calls, each one whole serving step
 (scheduling, packing, the step on the GPU, the token ids back; with async scheduling the next
@@ -117,6 +121,10 @@ def _mode(engine):
     return "async" if engine.async_scheduling else "sync"
 
 
+def _impl(engine):
+    return f"xla_ext_{engine.backend.name}"
+
+
 def ours_decode(engine, batch, args, profile_steps, host, run):
     """A decode row; then, when profile_steps, a profile of that many more decode steps."""
     # A sequence whose prompt is done decodes while the others' chunks are prefilled: it may
@@ -134,7 +142,7 @@ def ours_decode(engine, batch, args, profile_steps, host, run):
     while engine.has_unfinished():  # free the pages for the next row
         engine.step()
     return _with_floor({
-        "op": "serving_decode", "impl": "xla_ext_torchax", "scheduling": _mode(engine),
+        "op": "serving_decode", "impl": _impl(engine), "scheduling": _mode(engine),
         "batch": batch, "shape": f"B={batch},context={args.context}",
         "time_per_step_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
         "bucket": outs[0].bucket, "prefill_s": round(prefill_s, 3), "host_us": host_us},
@@ -169,7 +177,7 @@ def ours_mixed(engine, args, profile_steps, host, run):
     profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
     tokens = sum(o.num_tokens for o in outs) / args.steps
     prefill = sum(o.num_prefill_tokens for o in outs) / args.steps
-    row = {"op": "serving_mixed", "impl": "xla_ext_torchax", "scheduling": _mode(engine),
+    row = {"op": "serving_mixed", "impl": _impl(engine), "scheduling": _mode(engine),
            "shape": f"{MIXED_DECODES} decodes at context {args.context} + chunks of "
                     f"{MIXED_PREFILLS} new {args.context}-token prompts, budget {MIXED_BUDGET}",
            "time_per_step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
@@ -263,6 +271,14 @@ def hf_decode(model, batch, args, compiled):
             "warmup_s": round(warmup_s, 1)}
 
 
+def _device_name(args):
+    if args.backend == "torch_xla":  # the engine's device, not --device (where the model is made)
+        import torch_xla.runtime as xr
+
+        return f"{xr.device_type()} through torch_xla"
+    return torch.cuda.get_device_name() if args.device == "cuda" else args.device
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -282,6 +298,8 @@ def main():
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help=f"comma-separated, of {','.join(IMPLS)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=["torchax", "torch_xla"], default="torchax",
+                        help="our engine's backend")
     parser.add_argument("--compile-deadline-s", type=float, default=200.0,
                         help="start no torch.compile row after this many seconds of the run")
     args = parser.parse_args()
@@ -297,7 +315,8 @@ def main():
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
           f"made in {time.perf_counter() - t0:.1f} s", flush=True)
     result = {"machine": platform.node(), "model": args.config, "dtype": "bfloat16",
-              "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+              "backend": args.backend, "pjrt_device": os.environ.get("PJRT_DEVICE"),
+              "device": _device_name(args),
               "context": args.context, "steps": args.steps, "rows": [], "errors": [],
               "copy_gbps": copy_gbps() if "ours" in impls and args.device == "cuda" else None,
               "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -344,9 +363,9 @@ def main():
             if key in row:
                 row[key] = round(row[key], 3 if key == "time_per_step_ms" else 1)
     ours = {r["batch"]: r for r in result["rows"]
-            if r["impl"] == "xla_ext_torchax" and r["scheduling"] == "async" and "batch" in r}
+            if r["impl"].startswith("xla_ext_") and r["scheduling"] == "async" and "batch" in r}
     for r in result["rows"]:
-        if r["impl"] != "xla_ext_torchax" and r.get("batch") in ours:
+        if not r["impl"].startswith("xla_ext_") and r.get("batch") in ours:
             r["ours_speedup"] = round(ours[r["batch"]]["tokens_per_s"] / r["tokens_per_s"], 3)
     save()
     print(f"wrote {args.out}", flush=True)
@@ -356,7 +375,7 @@ def run_ours(model, batches, args, result, record):
     """Our rows (decode at each batch, then mixed; each with async scheduling off, then on) and
     their profiles, through one engine."""
     t0 = time.perf_counter()
-    engine = Engine(model, backend="torchax", dtype=torch.bfloat16, page_size=16,
+    engine = Engine(model, backend=args.backend, dtype=torch.bfloat16, page_size=16,
                     max_num_seqs=max(max(batches), MIXED_DECODES + MIXED_PREFILLS),
                     max_num_batched_tokens=args.max_batched_tokens,
                     max_model_len=args.context + 10_000 // MIXED_DECODES + 8)
@@ -367,7 +386,7 @@ def run_ours(model, batches, args, result, record):
     # head; its rows for the step's tokens are next to nothing).
     run = {"copy_gbps": result["copy_gbps"],
            "weight_bytes": sum(p.numel() * 2 for p in model.parameters())}
-    profiled = args.profile_steps if args.device == "cuda" else 0
+    profiled = args.profile_steps if args.device == "cuda" and args.backend == "torchax" else 0
     for batch in batches:
         for mode in (False, True):
             engine.async_scheduling = mode

@@ -21,7 +21,7 @@ def _readme_command():
 def test_the_readme_command_streams_tokens_and_matches_transformers():
     command = _readme_command()
     result = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True,
-                            env=dict(os.environ, PJRT_DEVICE="CPU"))
+                            env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     num_prompts = len(command[command.index("--prompt_lens") + 1].split(","))
@@ -39,7 +39,7 @@ def test_the_readme_command_streams_tokens_and_matches_transformers():
 
 def test_text_prompts_need_a_tokenizer():
     result = subprocess.run([sys.executable, "-m", "torch_xla_ext", "generate", "--prompt", "hi"],
-                            capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
+                            capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")))
     assert result.returncode != 0
     assert "--prompt needs a tokenizer" in result.stderr
 
@@ -52,7 +52,7 @@ def test_a_local_checkpoint(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch_xla_ext", "generate", "--checkpoint",
                              str(tmp_path), "--prompt_lens", "4,9", "--max_new_tokens", "3",
                              "--check"], capture_output=True, text=True,
-                            env=dict(os.environ, PJRT_DEVICE="CPU"))
+                            env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"model: checkpoint {tmp_path}: 1 layers" in result.stdout
     assert result.stdout.count("equal to transformers' generate") == 2

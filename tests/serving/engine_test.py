@@ -160,7 +160,7 @@ _STEPS = textwrap.dedent("""
 
 
 def test_a_step_donates_every_cache(tmp_path):
-    env = dict(os.environ, PJRT_DEVICE="CPU",
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"),
                XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
     result = subprocess.run([sys.executable, "-c", _STEPS], env=env, capture_output=True,
                             text=True)

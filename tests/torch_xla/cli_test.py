@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-ENV = dict(os.environ, PJRT_DEVICE="CPU")
+ENV = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
 
 
 def test_demo_checks_every_result_against_pytorch():

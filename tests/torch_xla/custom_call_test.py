@@ -45,7 +45,7 @@ def test_optimized_hlo_keeps_the_custom_call_even_for_constants(tmp_path):
         out = torch.ops.xla_ext.simple_add(a, b)
         print(out.cpu().tolist())
     """)
-    env = dict(os.environ, PJRT_DEVICE="CPU", XLA_FLAGS=f"--xla_dump_to={tmp_path}")
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), XLA_FLAGS=f"--xla_dump_to={tmp_path}")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == "[3.0, 3.0, 3.0]"

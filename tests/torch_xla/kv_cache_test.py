@@ -130,7 +130,7 @@ _STEP = textwrap.dedent("""
 
 def _run_step(tmp_path, mode):
     """The printed per-layer sums, and the optimised HLO module of the step."""
-    env = dict(os.environ, PJRT_DEVICE="CPU",
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"),
                XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text")
     result = subprocess.run([sys.executable, "-c", _STEP, mode], env=env, capture_output=True,
                             text=True)

@@ -11,7 +11,7 @@ import sys
 import torch_xla_ext
 
 PACKAGE_DIR = os.path.dirname(torch_xla_ext.__file__)
-ENV = dict(os.environ, PJRT_DEVICE="CPU")
+ENV = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"))
 
 
 def _module_names(path):

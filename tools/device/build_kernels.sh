@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Builds torch_xla_ext/lib/libxla_ext_{kernels,binder,torch}.so with nvcc and g++ directly,
-# for machines without Bazel (the GPU machine). Same sources as torch_xla_ext/lib/BUILD.bazel,
-# nvcc flags from tools/cuda_flags.bzl (as Bazel's); libxla_ext_torch.so against the torch of
-# `python3` (its headers and libraries). Run from anywhere; objects go to .devbuild/obj.
+# Builds torch_xla_ext/lib/libxla_ext_{kernels,binder,torch,pjrt_shim}.so with nvcc and g++
+# directly, for machines without Bazel (the GPU machine). Same sources as
+# torch_xla_ext/lib/BUILD.bazel, nvcc flags from tools/cuda_flags.bzl (as Bazel's);
+# libxla_ext_torch.so against the torch of `python3` (its headers and libraries). Run from
+# anywhere; objects go to .devbuild/obj.
+#
+#   tools/device/build_kernels.sh [all|torch]   (torch: only libxla_ext_torch.so, again, e.g.
+#                                               against another torch on PYTHONPATH)
 #
 #   XLA_FFI_INCLUDE  directory holding xla/ffi/api/*.h (jaxlib 0.7.1's, FFI 0.1);
 #                    default .devbuild/ffi_include
@@ -11,6 +15,8 @@
 #   CUDA_GENCODE     replaces the -gencode flags (e.g. "-gencode=arch=compute_90a,code=sm_90a")
 #   NVCC_EXTRA_FLAGS appended to every nvcc command (e.g. tuning -D flags)
 set -euo pipefail
+WHAT="${1:-all}"
+[[ $WHAT == all || $WHAT == torch ]] || { echo "usage: $0 [all|torch]" >&2; exit 2; }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -48,6 +54,11 @@ KERNEL_SRCS=(kernels/*/*.cu kernels/*/*_host.cc)
 # torch_xla_ext/csrc: one library per source, as in torch_xla_ext/lib/BUILD.bazel.
 declare -A CSRC_LIBRARY=(
   [torch_xla_ext/csrc/binder.cc]=libxla_ext_binder.so
+  [torch_xla_ext/csrc/pjrt_shim.cc]=libxla_ext_pjrt_shim.so
+)
+declare -A CSRC_EXPORTS=(
+  [torch_xla_ext/csrc/binder.cc]=torch_xla_ext/lib/exports.lds
+  [torch_xla_ext/csrc/pjrt_shim.cc]=torch_xla_ext/lib/pjrt_shim_exports.lds
 )
 TORCH_SRCS=(torch_xla_ext/csrc/torch_ops.cc torch_xla_ext/csrc/eager_runtime.cc)
 read -r TORCH_DIR PYTHON_INCLUDE <<<"$(python3 -c "
@@ -55,8 +66,10 @@ import os, sysconfig, torch
 print(os.path.dirname(torch.__file__), sysconfig.get_paths()['include'])")"
 TORCH_INCLUDES=(-isystem "$TORCH_DIR/include" -isystem "$TORCH_DIR/include/torch/csrc/api/include"
                 -isystem "$PYTHON_INCLUDE")
+SRCS=("${KERNEL_SRCS[@]}" "${!CSRC_LIBRARY[@]}" "${TORCH_SRCS[@]}")
+[[ $WHAT == torch ]] && SRCS=("${TORCH_SRCS[@]}")
 pids=()
-for src in "${KERNEL_SRCS[@]}" "${!CSRC_LIBRARY[@]}" "${TORCH_SRCS[@]}"; do
+for src in "${SRCS[@]}"; do
   while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done
   compile "$src" &
   pids+=($!)
@@ -65,12 +78,15 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 
 objects() { for src in "$@"; do echo "$OBJ/${src//\//_}.o"; done; }
 LINK=(-shared -Wl,--version-script=torch_xla_ext/lib/exports.lds)
-# --whole-archive is not needed: every object is linked, so every static registration runs.
-g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_kernels.so $(objects "${KERNEL_SRCS[@]}") \
-  "$CUDA_HOME/lib64/libcudart_static.a" -ldl -lpthread -lrt
-for src in "${!CSRC_LIBRARY[@]}"; do
-  g++ "${LINK[@]}" -o "torch_xla_ext/lib/${CSRC_LIBRARY[$src]}" $(objects "$src")
-done
+if [[ $WHAT == all ]]; then
+  # --whole-archive is not needed: every object is linked, so every static registration runs.
+  g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_kernels.so $(objects "${KERNEL_SRCS[@]}") \
+    "$CUDA_HOME/lib64/libcudart_static.a" -ldl -lpthread -lrt
+  for src in "${!CSRC_LIBRARY[@]}"; do
+    g++ -shared "-Wl,--version-script=${CSRC_EXPORTS[$src]}" \
+      -o "torch_xla_ext/lib/${CSRC_LIBRARY[$src]}" $(objects "$src") -ldl
+  done
+fi
 g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_torch.so $(objects "${TORCH_SRCS[@]}") \
   -L "$TORCH_DIR/lib" -lc10 -lc10_cuda -ltorch_cpu -ltorch -ltorch_python
 ls -l torch_xla_ext/lib/*.so

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# torch_xla 2.9 on the GPU machine, which has Python 3.12, CUDA 13, torch 2.11 and JAX 0.11
+# but neither torch 2.9 nor torch_xla, and whose calls carry at most 64 MiB each.
+#
+#   here:  tools/device/torch_xla_gpu.sh stage
+#            torch 2.9 (its CPU side; its CUDA libraries stubbed), torch_xla 2.9 and
+#            jax-cuda13-pjrt 0.7.2's plugin as pieces .stage/torch_xla_gpu/1..N of at most
+#            58 MiB (tools/device/torch_xla_closure.py; needs Bazel's wheel for our entry
+#            points: bazel build //...). Carry each piece in a call of its own, back to back in
+#            one lease (a carried path stays while the machine is warm); the last call runs:
+#   there: tools/device/torch_xla_gpu.sh run [proof|bench]
+#            Unpacks into /tmp/torch_xla_gpu (sha256-checked), builds our libraries
+#            (SKIP_BUILD=1: keeps the kernels an earlier call built).
+#            proof: with PJRT_DEVICE=GPU in the staged torch: tools/device/torch_xla_gpu_proof.py
+#              check, then the torch_xla tests and the serving engine's tests; in the machine's
+#              own torch and JAX: the proof's compare -> $OUT/$GPU-torch-xla-gpu.json (the
+#              record), $OUT/$GPU-torch-xla-gpu.txt (the log)
+#            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
+#              through torchax, in one lease -> $OUT/$GPU-serving-torch-xla.json (both runs)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+ROOT="$PWD"
+COMMAND="${1:-}"
+PHASE="${2:-proof}"
+TREE=/tmp/torch_xla_gpu
+
+if [[ $COMMAND == stage ]]; then
+  exec .venv/bin/python tools/device/torch_xla_closure.py stage "${@:2}"
+fi
+[[ $COMMAND == run && ( $PHASE == proof || $PHASE == bench ) ]] || {
+  echo "usage: $0 stage | run [proof|bench]" >&2; exit 2; }
+
+OUT="${OUT:-bench/results}"
+GPU="${GPU:-h100}"
+mkdir -p "$OUT"
+LOG="$OUT/$GPU-torch-xla-gpu.txt"
+[[ $PHASE == bench ]] && LOG=/tmp/torch-xla-bench.txt
+: > "$LOG"
+step() { echo "== $*" | tee -a "$LOG"; }
+status=0
+export PYTHONUNBUFFERED=1
+
+step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+step "unpack: tools/device/torch_xla_closure.py unpack --to $TREE"
+python3 tools/device/torch_xla_closure.py unpack --to "$TREE" 2>&1 | tail -2 | tee -a "$LOG"
+[[ ${PIPESTATUS[0]} == 0 ]] || exit 1
+# The machine's own Python: our package from the checkout, torchax from .whl (as run.sh).
+MACHINE_PATH="$ROOT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    MACHINE_PATH="$ROOT:/tmp/site"
+fi
+# The staged Python: torch 2.9 and torch_xla ahead of the machine's torch; the plugin's
+# distribution (jax-cuda13-pjrt 0.7.2) ahead of the machine's 0.11.2, so torch_xla_ext finds
+# it as a user's pip install would; JAX kept off the GPU.
+STAGED=(env "PYTHONPATH=$TREE/site:$TREE/plugin:$ROOT" PJRT_DEVICE=GPU JAX_PLATFORMS=cpu)
+MACHINE=(env "PYTHONPATH=$MACHINE_PATH")
+
+step "build: tools/device/build_kernels.sh (the machine's torch), then libxla_ext_torch.so for the staged torch"
+if [[ ${SKIP_BUILD:-0} == 1 && -f torch_xla_ext/lib/libxla_ext_kernels.so ]]; then
+  step "build: kept the kernels of an earlier call (SKIP_BUILD=1)"
+else
+  tools/device/build_kernels.sh > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$LOG"; exit 1; }
+fi
+build_torch_extension() {  # the python3 environment whose torch to build against
+  "$@" tools/device/build_kernels.sh torch > /tmp/build-torch.txt 2>&1 || {
+    tail -30 /tmp/build-torch.txt | tee -a "$LOG"; exit 1; }
+}
+build_torch_extension env "PYTHONPATH=$TREE/site"
+
+if [[ $PHASE == proof ]]; then
+  step "check, PJRT_DEVICE=GPU, staged torch_xla: tools/device/torch_xla_gpu_proof.py check"
+  timeout 300 "${STAGED[@]}" python3 tools/device/torch_xla_gpu_proof.py check 2>&1 | \
+    grep -E "^(PASS|FAIL)|Error|error:" | tee -a "$LOG"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  step "tests, PJRT_DEVICE=GPU: tests/torch_xla, tests/serving/engine_test.py"
+  timeout 420 "${STAGED[@]}" python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    tests/torch_xla tests/serving/engine_test.py > /tmp/torch-xla-tests.txt 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)|passed|failed" /tmp/torch-xla-tests.txt | tail -40 | tee -a "$LOG"
+  build_torch_extension env
+  step "compare, the machine's torch (CUDA) and JAX: tools/device/torch_xla_gpu_proof.py compare"
+  timeout 300 "${MACHINE[@]}" python3 tools/device/torch_xla_gpu_proof.py compare \
+    --out "$OUT/$GPU-torch-xla-gpu.json" 2>&1 | grep -E "^(PASS|FAIL|wrote)|Error" | tee -a "$LOG"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+else
+  SERVING=(bench/serving_bench.py --impls ours --batches 1,16,64 --profile-steps 0)
+  step "serving, PJRT_DEVICE=GPU, staged torch_xla: ${SERVING[*]} --backend torch_xla"
+  timeout 420 "${STAGED[@]}" python3 "${SERVING[@]}" --backend torch_xla --device cpu \
+    --out /tmp/serving-torch-xla.json 2>&1 | grep -E "^serving|engine:|Error" | tee -a "$LOG" || status=1
+  build_torch_extension env
+  step "serving, the machine's JAX: ${SERVING[*]} --backend torchax"
+  timeout 300 "${MACHINE[@]}" python3 "${SERVING[@]}" --backend torchax \
+    --out /tmp/serving-torchax.json 2>&1 | grep -E "^serving|engine:|copy|Error" | tee -a "$LOG" || status=1
+  python3 - "$OUT/$GPU-serving-torch-xla.json" /tmp/serving-torch-xla.json /tmp/serving-torchax.json <<'EOF'
+import json, sys
+runs = {}
+for path in sys.argv[2:]:
+    try:
+        with open(path) as f:
+            run = json.load(f)
+        runs[run["backend"]] = run
+    except (OSError, ValueError) as e:
+        runs[path] = {"error": str(e)}
+with open(sys.argv[1], "w") as f:
+    json.dump({"note": "the same 1B model and rows through each backend, one lease", "runs": runs},
+              f, indent=1)
+EOF
+  cp "$LOG" "$OUT/$GPU-serving-torch-xla.txt"
+fi
+step "done, status $status"
+exit $status
