@@ -10,9 +10,9 @@ whose transfers carry at most 64 MiB per call (tools/device/torch_xla_gpu.sh dri
 
 torch_xla needs only torch's CPU side, but torch 2.9's CPU libraries name CUDA 12 libraries as
 NEEDED. The tree keeps libtorch_cpu, libtorch_python, libc10, libc10_cuda with the CUDA 12
-runtime and CUPTI they load (small), and replaces libtorch_cuda.so (1 GB), cuDNN, cuSPARSELt
-and cuFile by stubs that define exactly the symbols the kept libraries take from them; calling
-any of those aborts with a message. torch's own CUDA is never used in this tree: torch_xla
+runtime and CUPTI they load (small), and replaces libtorch_cuda.so (1 GB), cuSPARSELt and
+cuFile by stubs that define exactly the symbols the kept libraries take from them; calling any
+of those aborts with a message. cuDNN is the machine's (the plugin needs the real one). torch's own CUDA is never used in this tree: torch_xla
 drives the GPU through the PJRT plugin, which loads its CUDA 13 libraries from the machine.
 """
 
@@ -35,7 +35,7 @@ CUDA_PLUGIN = "jax-cuda13-pjrt==0.7.2"  # PJRT C API 0.76, CUDA 13 (the shim ada
 CUDA12_RUNTIME = ["nvidia-cuda-runtime-cu12==12.8.90", "nvidia-cuda-cupti-cu12==12.8.90"]
 # What torch_xla and torch import that a Python with JAX and transformers may lack, at
 # requirements.txt's versions.
-PYTHON_DEPS = ["absl-py==2.5.1", "PyYAML==6.0.3", "requests==2.34.2", "urllib3==2.8.0",
+PYTHON_DEPS = ["absl-py==2.5.1", "pyelftools==0.33", "PyYAML==6.0.3", "requests==2.34.2", "urllib3==2.8.0",
                "idna==3.20", "certifi==2026.10.18", "charset-normalizer==3.5.2"]
 # Libraries dropped from torch/lib: the CUDA side, and what only it loads.
 DROPPED = ["libtorch_cuda.so", "libtorch_cuda_linalg.so", "libtorch_nvshmem.so",
@@ -43,9 +43,10 @@ DROPPED = ["libtorch_cuda.so", "libtorch_cuda_linalg.so", "libtorch_nvshmem.so",
 # Stubbed NEEDED libraries of the kept ones, with how their symbols are recognised: those the
 # dropped libraries define go to libtorch_cuda.so's stub (the kept libraries reach the others
 # through it), the rest by C API prefix.
+# cuDNN is not stubbed: the CUDA plugin loads the machine's libcudnn.so.9 by that name, and a
+# stub loaded first would answer it (unpack links torch's nvidia/cudnn to the machine's).
 STUBS = {
     "libtorch_cuda.so": None,
-    "libcudnn.so.9": ("cudnn",),
     "libcusparseLt.so.0": ("cusparseLt",),
     "libcufile.so.0": ("cuFile",),
 }
@@ -279,6 +280,16 @@ def stage(args):
           "call: " + " ".join(f"{rel}/{p['folder']}" for p in pieces))
 
 
+HIDE_MACHINE_EXTENSIONS = """\
+# Written by tools/device/torch_xla_closure.py unpack: the machine's torchvision and torchaudio
+# are built for its own torch, not the staged one; importlib treats these as not installed.
+import sys
+
+for name in ("torchvision", "torchaudio"):
+    sys.modules.setdefault(name, None)
+"""
+
+
 def unpack(args):
     """Checks the pieces, extracts the tree into args.to (kept if already complete), links the
     plugin's nvidia/ to the machine's CUDA 13 libraries."""
@@ -315,13 +326,20 @@ def unpack(args):
         cat.wait()
         with open(done, "w") as f:
             f.write(manifest["sha256"])
-    # The plugin finds its CUDA 13 libraries at $ORIGIN/../../nvidia/cu13/lib and the like.
+    # The plugin finds its CUDA 13 libraries at $ORIGIN/../../nvidia/cu13/lib and the like;
+    # torch's libraries find cuDNN at $ORIGIN/../../nvidia/cudnn/lib: both the machine's.
     nvidia = run(sys.executable, "-c", "import nvidia, os; print([p for p in nvidia.__path__ "
                  "if os.path.isdir(os.path.join(p, 'cu13'))][0])").strip()
-    link = os.path.join(args.to, PLUGIN_DIR, "nvidia")
-    if os.path.islink(link):
-        os.remove(link)
-    os.symlink(nvidia, link)
+    for link, target in ((os.path.join(args.to, PLUGIN_DIR, "nvidia"), nvidia),
+                         (os.path.join(args.to, SITE_DIR, "nvidia", "cudnn"),
+                          os.path.join(nvidia, "cudnn"))):
+        if os.path.islink(link):
+            os.remove(link)
+        os.symlink(target, link)
+    # The machine's torchvision and torchaudio are built for its own torch; transformers would
+    # import them beside this one (and fail). Marked absent, as if not installed.
+    with open(os.path.join(args.to, SITE_DIR, "sitecustomize.py"), "w") as f:
+        f.write(HIDE_MACHINE_EXTENSIONS)
     print(json.dumps({"site": os.path.join(args.to, SITE_DIR),
                       "plugin": os.path.join(args.to, PLUGIN_DIR, "jax_plugins", "xla_cuda13",
                                              "xla_cuda_plugin.so"),

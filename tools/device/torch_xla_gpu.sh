@@ -53,7 +53,7 @@ fi
 # The staged Python: torch 2.9 and torch_xla ahead of the machine's torch; the plugin's
 # distribution (jax-cuda13-pjrt 0.7.2) ahead of the machine's 0.11.2, so torch_xla_ext finds
 # it as a user's pip install would; JAX kept off the GPU.
-STAGED=(env "PYTHONPATH=$TREE/site:$TREE/plugin:$ROOT" PJRT_DEVICE=GPU JAX_PLATFORMS=cpu)
+STAGED=(env "PYTHONPATH=$TREE/site:$TREE/plugin:$MACHINE_PATH" PJRT_DEVICE=GPU JAX_PLATFORMS=cpu)
 MACHINE=(env "PYTHONPATH=$MACHINE_PATH")
 
 step "build: tools/device/build_kernels.sh (the machine's torch), then libxla_ext_torch.so for the staged torch"
@@ -76,7 +76,8 @@ if [[ $PHASE == proof ]]; then
   step "tests, PJRT_DEVICE=GPU: tests/torch_xla, tests/serving/engine_test.py"
   timeout 420 "${STAGED[@]}" python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/torch_xla tests/serving/engine_test.py > /tmp/torch-xla-tests.txt 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)|passed|failed" /tmp/torch-xla-tests.txt | tail -40 | tee -a "$LOG"
+  grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed)" /tmp/torch-xla-tests.txt | tee -a "$LOG"
+  cp /tmp/torch-xla-tests.txt "$OUT/$GPU-torch-xla-gpu-tests.txt"
   build_torch_extension env
   step "compare, the machine's torch (CUDA) and JAX: tools/device/torch_xla_gpu_proof.py compare"
   timeout 300 "${MACHINE[@]}" python3 tools/device/torch_xla_gpu_proof.py compare \

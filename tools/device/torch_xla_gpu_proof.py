@@ -53,6 +53,7 @@ def _kv_inputs(dtype, seed=0):
 
 def check(args):
     import torch_xla
+    import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     import torch_xla_ext
@@ -117,10 +118,12 @@ def check(args):
                                              inputs["slot_mapping"])
         cache = inputs["kv_cache"].to(device)
         torch_xla.sync()
+        xm.wait_device_ops()  # the buffer exists once the step that makes it has run
         before = torch_xla._XLAC._unsafe_buffer_pointer(cache)
         torch.ops.xla_ext.kv_cache_update(inputs["key"].to(device), inputs["value"].to(device),
                                           cache, inputs["slot_mapping"].to(device))
         torch_xla.sync()
+        xm.wait_device_ops()
         after = torch_xla._XLAC._unsafe_buffer_pointer(cache)
         got = cache.cpu()
         checked(f"kv_cache_update_{tag}", torch.equal(got.view(torch.uint8), want.view(torch.uint8))
