@@ -207,7 +207,27 @@ def custom_call(inputs, target, output_shapes, output_dtypes, attrs=None, has_si
     `backend_config` string (the "opaque" payload). aliases: {output_index: input_index} for
     outputs written in place into an input's buffer (XLA copies the input first only where
     the input is still needed elsewhere).
+
+    A call of one of our ops' targets is checked at the call against the op's description
+    (op_catalog.py), as the op itself is: its operands, attribute names and types, output
+    shapes and dtypes, and the data the host can see. A bad call raises TorchXlaExtError and
+    records nothing. Other targets (users' kernels) are checked by their handlers when the
+    step runs.
     """
+    spec = _spec(inputs, target, output_shapes, output_dtypes, attrs, has_side_effect, aliases,
+                 api_version, backend_config, frontend_attributes)
+    _check_against_description(spec, inputs, output_shapes, output_dtypes)
+    return _record(spec, inputs)
+
+
+def op_custom_call(inputs, target, output_shapes, output_dtypes, attrs, aliases):
+    """custom_call for the op front ends (ops.py), whose own checks have run."""
+    return _record(_spec(inputs, target, output_shapes, output_dtypes, attrs, False, aliases,
+                         API_VERSION_TYPED_FFI, None, None), inputs)
+
+
+def _spec(inputs, target, output_shapes, output_dtypes, attrs, has_side_effect, aliases,
+          api_version, backend_config, frontend_attributes):
     _check_inputs(inputs)
     if not isinstance(target, str) or not target:
         raise TorchXlaExtError(f"target: expected a non-empty string, got {target!r}")
@@ -236,8 +256,81 @@ def custom_call(inputs, target, output_shapes, output_dtypes, attrs=None, has_si
         if outputs[out] != input_shapes[operand]:
             raise TorchXlaExtError(f"aliases: output {out} ({outputs[out]}) and input {operand} "
                                    f"({input_shapes[operand]}) must have the same shape and dtype")
-    spec = _Spec(target, input_shapes, outputs, config, api_version, bool(has_side_effect),
+    return _Spec(target, input_shapes, outputs, config, api_version, bool(has_side_effect),
                  alias_pairs, tuple(sorted((frontend_attributes or {}).items())))
+
+
+def _check_against_description(spec, inputs, output_shapes, output_dtypes):
+    if spec.api_version != API_VERSION_TYPED_FFI:
+        return
+    from torch_xla_ext.op_catalog import OPS
+
+    op = next((o for o in OPS if o.target == spec.target), None)
+    if op is None:
+        return
+    from torch_xla_ext import ops, workspace
+
+    outputs = [(shape, dtypes.name(dtype)) for shape, dtype in zip(output_shapes, output_dtypes)]
+    args = op.check_call(inputs, _dictionary_entries(spec.backend_config), outputs,
+                         workspace.xla_device_gpu())
+    ops.check_known_values(op, args)
+
+
+_DTYPE_OF_MLIR = {d.mlir: name for name, d in DTYPES.items()}
+
+
+def _dictionary_entries(text):
+    """{name: (dtype name, value)} of an MLIR attribute dictionary's scalar entries, as
+    mlir_dictionary writes them; other entries as (their kind, None)."""
+    body = text.strip()
+    if not body:
+        return {}
+    if not (body.startswith("{") and body.endswith("}")):
+        raise TorchXlaExtError(f"backend_config: expected an MLIR attribute dictionary "
+                               f"{{name = value : type, ...}}, got {text!r}")
+    items, depth, start, quoted = [], 0, 1, False
+    for i in range(1, len(body) - 1):
+        c = body[i]
+        if quoted:
+            quoted = not (c == '"' and body[i - 1] != "\\")
+        elif c == '"':
+            quoted = True
+        elif c in "<{[(":
+            depth += 1
+        elif c in ">}])":
+            depth -= 1
+        elif c == "," and depth == 0:
+            items.append(body[start:i])
+            start = i + 1
+    items.append(body[start:-1])
+    entries = {}
+    for item in filter(str.strip, items):
+        name, _, value = (part.strip() for part in item.partition("="))
+        if value in ("true", "false"):
+            entries[name] = ("bool", value == "true")
+        elif value.startswith('"'):
+            entries[name] = ("string", None)
+        elif " : " in value and not value.startswith(("array", "{")):
+            literal, _, mlir_type = (part.strip() for part in value.rpartition(" : "))
+            dtype = _DTYPE_OF_MLIR.get(mlir_type, mlir_type)
+            entries[name] = (dtype, _scalar(literal, dtype))
+        else:
+            entries[name] = ("array or dictionary", None)
+    return entries
+
+
+def _scalar(literal, dtype):
+    if literal.startswith("0x"):  # a float by its bits (non-finite)
+        width = DTYPES[dtype].mlir[1:] if dtype in DTYPES else "32"
+        return np.array(int(literal, 16), dtype=f"u{int(width) // 8}").view(
+            {"16": np.float16, "32": np.float32, "64": np.float64}[width]).item()
+    try:
+        return int(literal)
+    except ValueError:
+        return float(literal)
+
+
+def _record(spec, inputs):
     import torch_xla
 
     # torch_xla numbers a node's device-data parameters in reverse operand order, and XLA pairs

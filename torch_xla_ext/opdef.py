@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from torch_xla_ext import dtypes
 from torch_xla_ext.errors import TorchXlaExtError
 from torch_xla_ext.partitioning import Layout
 
@@ -125,6 +126,47 @@ class OpDef:
             size = 0 if gpu is None else self.workspace(args, attributes, gpu)
             results.append(((size,), "uint8"))
         return results
+
+    def check_call(self, inputs, attributes, outputs, gpu):
+        """Checks a direct custom call of this op's target (custom_call, _xla_gpu_custom_call)
+        against this description, as the op's own front ends are checked: `inputs` the
+        handler's operands (an absent optional operand as its empty array), `attributes`
+        {name: (dtype name, value)}, `outputs` [(shape, dtype name)] the handler's results
+        (for CUDA device `gpu`, as handler_results). Returns the call's arguments by name."""
+        if len(inputs) != len(self.operands):
+            raise TorchXlaExtError(
+                f"{self.target}: inputs: expected {len(self.operands)} operands "
+                f"({', '.join(self.operands)}), got {len(inputs)}")
+        args = {}
+        for name, tensor in zip(self.operands, inputs):
+            absent = self.absent.get(name)
+            given = (tuple(tensor.shape), dtypes.name(tensor.dtype))
+            args[name] = None if absent and given == (tuple(absent[0]), absent[1]) else tensor
+        if set(attributes) != set(self.attributes):
+            expected = ", ".join(f"{n}: {t}" for n, t in sorted(self.attributes.items()))
+            got = ", ".join(f"{n}: {t}" for n, (t, _) in sorted(attributes.items()))
+            raise TorchXlaExtError(f"{self.target}: attrs: expected {{{expected}}}, got {{{got}}}")
+        for name, (dtype, value) in attributes.items():
+            if dtype != self.attributes[name]:
+                raise TorchXlaExtError(f"{self.target}: attrs[{name!r}]: expected "
+                                       f"{self.attributes[name]}, got {dtype}")
+            args[name] = value
+        self.check(**{name: args.get(name) for name in self._argument_names})
+        expected = [(tuple(int(d) for d in shape), dtypes.name(dtype)) for shape, dtype in
+                    self.handler_results(args, self.attribute_values(args), gpu)]
+        if len(outputs) != len(expected):
+            described = ", ".join(f"{list(shape)} {dtype}" for shape, dtype in expected)
+            raise TorchXlaExtError(f"{self.target}: output_shapes: expected {len(expected)} "
+                                   f"results ({described}), got {len(outputs)}")
+        for i, ((shape, dtype), (want_shape, want_dtype)) in enumerate(zip(outputs, expected)):
+            if tuple(int(d) for d in shape) != want_shape:
+                raise TorchXlaExtError(
+                    f"{self.target}: output_shapes[{i}]: expected {list(want_shape)} for these "
+                    f"inputs, got {[int(d) for d in shape]}")
+            if dtype != want_dtype:
+                raise TorchXlaExtError(f"{self.target}: output_dtypes[{i}]: expected "
+                                       f"{want_dtype}, got {dtype}")
+        return args
 
     def aliases(self):
         """{result index: operand index} for the results written into an operand's buffer."""

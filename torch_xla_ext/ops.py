@@ -10,7 +10,7 @@ custom call writing each new value into the old one's buffer (input/output alias
 import torch
 
 from torch_xla_ext import eager, workspace
-from torch_xla_ext.custom_call import custom_call
+from torch_xla_ext.custom_call import op_custom_call
 from torch_xla_ext.op_catalog import OPS
 
 _lib = torch.library.Library("xla_ext", "DEF")
@@ -38,14 +38,11 @@ def check_known_values(op, args):
 
 def _on_xla(op, args):
     check_known_values(op, args)
-    import torch_xla.runtime
-
     attributes = op.attribute_values(args)
-    gpu = workspace.ANY_GPU if torch_xla.runtime.device_type() in ("GPU", "CUDA") else None
-    results = op.handler_results(args, attributes, gpu)
-    outputs = custom_call(op.operand_values(args, eager.empty), op.target,
-                          [s for s, _ in results], [d for _, d in results], attrs=attributes,
-                          aliases=op.aliases())
+    results = op.handler_results(args, attributes, workspace.xla_device_gpu())
+    outputs = op_custom_call(op.operand_values(args, eager.empty), op.target,
+                             [s for s, _ in results], [d for _, d in results], attributes,
+                             op.aliases())
     return outputs[:len(op.results(args))]  # not the workspace
 
 

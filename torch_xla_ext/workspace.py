@@ -15,6 +15,13 @@ from torch_xla_ext import _kernels, dtypes
 ANY_GPU = -1  # size for whichever visible GPU needs the most
 
 
+def xla_device_gpu():
+    """The `gpu` of workspace functions for torch_xla's device: ANY_GPU on a GPU, else None."""
+    import torch_xla.runtime
+
+    return ANY_GPU if torch_xla.runtime.device_type() in ("GPU", "CUDA") else None
+
+
 def _shape(x):
     return tuple(int(d) for d in x.shape)
 

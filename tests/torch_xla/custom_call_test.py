@@ -140,6 +140,66 @@ def test_bad_arguments_name_what_is_wrong(xla_device):
     assert out.cpu().tolist() == [2.0] * 3
 
 
+def test_a_call_of_one_of_our_targets_is_checked_at_the_call_and_records_nothing(xla_device):
+    """The issue's case: the seed call with a wrong output shape raises at the call, naming
+    the argument, and the next unrelated step, read with .cpu(), runs."""
+    import torch_xla
+
+    from torch_xla_ext import TorchXlaExtError, custom_call, op_catalog, sample_inputs, workspace
+
+    a = torch.tensor([1.0, 2.0, 3.0], device=xla_device)
+    with pytest.raises(TorchXlaExtError, match=re.escape(
+            "XlaGpuSimpleAdd: output_shapes[0]: expected [3] for these inputs, got [5]")):
+        torch_xla._XLAC._xla_gpu_custom_call([a, a], "", [[5]], [torch.float32],
+                                             target="XlaGpuSimpleAdd")
+    b = torch.tensor([4.0, 5.0, 6.0], device=xla_device)
+    assert torch.ops.xla_ext.simple_add(a, b).cpu().tolist() == [5.0, 7.0, 9.0]
+
+    inputs = sample_inputs.paged_attention([5, 30], 8, 2, 64, 16, torch.float32)
+    operands = [v.to(xla_device) for v in inputs.values()]
+    no_alibi = torch.empty(0, device=xla_device)
+    attrs = {"scale": 0.1, "softcap": 0.0}
+    # The handler's results: the output, then its workspace (no bytes off the GPU).
+    results = op_catalog.PAGED_ATTENTION.handler_results(
+        {**inputs, "alibi_slopes": None, **attrs}, attrs, workspace.xla_device_gpu())
+    shapes, dtypes = [list(s) for s, _ in results], [d for _, d in results]
+    query_shape = list(inputs["query"].shape)
+    target = "xla_ext.paged_attention"
+    bad_table = inputs["block_tables"].clone()
+    bad_table[1, 1] = 99
+    cases = [
+        (lambda: custom_call([a, b, a], "XlaGpuSimpleAdd", [[3]], [torch.float32]),
+         r"XlaGpuSimpleAdd: inputs: expected 2 operands \(a, b\), got 3"),
+        (lambda: custom_call([a, b], "XlaGpuSimpleAdd", [[3]], [torch.float16]),
+         r"XlaGpuSimpleAdd: output_dtypes\[0\]: expected float32, got float16"),
+        (lambda: custom_call([a, a.half()], "XlaGpuSimpleAdd", [[3]], [torch.float32]),
+         r"XlaGpuSimpleAdd: argument 'b': expected dtype float32"),
+        (lambda: custom_call(operands + [no_alibi], target, [query_shape], [torch.float32],
+                             attrs=attrs),
+         r"output_shapes: expected 2 results \(\[2, 8, 64\] float32, \[\d+\] uint8\), got 1"),
+        (lambda: custom_call(operands + [no_alibi], target, shapes, dtypes,
+                             attrs={"scale": 0.1}),
+         r"attrs: expected \{scale: float32, softcap: float32\}, got \{scale: float32\}"),
+        (lambda: custom_call(operands + [no_alibi], target, shapes, dtypes,
+                             attrs={"scale": 1, "softcap": 0.0}),
+         r"attrs\['scale'\]: expected float32, got int64"),
+        (lambda: torch_xla._XLAC._xla_gpu_custom_call(
+            operands[:3] + [bad_table.to(xla_device), operands[4], no_alibi],
+            "{scale = 0.1 : f32, softcap = 0.0 : f32}", shapes, dtypes,
+            target=target), r"argument 'block_tables'.*block_tables\[1\]\[1\] = 99"),
+    ]
+    for call, message in cases:
+        with pytest.raises(TorchXlaExtError, match=message):
+            call()
+    # Called directly, as described, the target gives the op's result.
+    direct, _ = custom_call(operands + [no_alibi], target, shapes, dtypes, attrs=attrs)
+    payload, _ = torch_xla._XLAC._xla_gpu_custom_call(
+        operands + [no_alibi], "{scale = 0.1 : f32, softcap = 0.0 : f32}", shapes, dtypes,
+        target=target)
+    want = torch.ops.xla_ext.paged_attention(*operands, scale=0.1).cpu()
+    assert torch.equal(direct.cpu(), want) and torch.equal(payload.cpu(), want)
+
+
 def test_user_kernel_through_gpu_custom_call(xla_device, user_kernel_library):
     import torch_xla
 
