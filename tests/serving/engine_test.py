@@ -115,6 +115,19 @@ def test_logits_of_each_new_token_equal_transformers_forward(model):
             torch.testing.assert_close(torch.as_tensor(row), want[step], atol=2e-5, rtol=0)
 
 
+def test_every_token_bucket_runs_its_own_compiled_step(model):
+    """Nine buckets, more than the eight graphs dynamo compiles for one function before it
+    refuses (fullgraph): each layout's step is a function of its own."""
+    engine = Engine(model, backend="torch_xla", max_num_seqs=4, max_num_batched_tokens=4096,
+                    page_size=16, max_model_len=4200)
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 20, 40, 100, 200, 400, 900, 2000, 4000]
+    for n in lengths:
+        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        assert engine.generate([prompt], 1) == [hf.reference_generate(model, prompt, 1)[0]]
+    assert sorted(engine.buckets_used) == [16 << i for i in range(9)]
+
+
 def test_bad_requests_name_the_argument(model):
     from torch_xla_ext import TorchXlaExtError
 

@@ -20,6 +20,7 @@ next step's `previous_tokens`.
 """
 
 import functools
+import types
 
 import numpy as np
 import torch
@@ -79,6 +80,10 @@ class TorchXlaBackend:
             return llama.forward(shape, layout, with_logits, weights, caches, packed,
                                  previous_tokens)
 
+        # A code object of its own per layout: dynamo counts recompilations per code object
+        # (8 at most with fullgraph), and each layout is a graph of its own, not a recompile.
+        step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                                  step.__defaults__, step.__closure__)
         return torch.compile(step, backend="openxla", fullgraph=True, dynamic=False)
 
     def fetch(self, outputs):
