@@ -280,13 +280,37 @@ def stage(args):
           "call: " + " ".join(f"{rel}/{p['folder']}" for p in pieces))
 
 
-HIDE_MACHINE_EXTENSIONS = """\
-# Written by tools/device/torch_xla_closure.py unpack: the machine's torchvision and torchaudio
-# are built for its own torch, not the staged one; importlib treats these as not installed.
+SITECUSTOMIZE = """\
+# Written by tools/device/torch_xla_closure.py unpack, for the staged torch.
+# - The machine's torchvision and torchaudio are built for its own torch, not this one:
+#   importlib treats them as not installed.
+# - This torch's CUDA library is a stub, but its CUDA runtime sees the GPU, so
+#   torch.cuda.is_available() would say True and dynamo would then use torch's CUDA (its RNG
+#   state) and fail: it says False, as for a CPU build of torch.
+import importlib.abc
+import importlib.machinery
 import sys
 
 for name in ("torchvision", "torchaudio"):
     sys.modules.setdefault(name, None)
+
+
+class _CudaUnavailable(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cuda":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.is_available = lambda: False
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _CudaUnavailable())
 """
 
 
@@ -336,10 +360,8 @@ def unpack(args):
         if os.path.islink(link):
             os.remove(link)
         os.symlink(target, link)
-    # The machine's torchvision and torchaudio are built for its own torch; transformers would
-    # import them beside this one (and fail). Marked absent, as if not installed.
     with open(os.path.join(args.to, SITE_DIR, "sitecustomize.py"), "w") as f:
-        f.write(HIDE_MACHINE_EXTENSIONS)
+        f.write(SITECUSTOMIZE)
     print(json.dumps({"site": os.path.join(args.to, SITE_DIR),
                       "plugin": os.path.join(args.to, PLUGIN_DIR, "jax_plugins", "xla_cuda13",
                                              "xla_cuda_plugin.so"),

@@ -16,7 +16,8 @@
 #              own torch and JAX: the proof's compare -> $OUT/$GPU-torch-xla-gpu.json (the
 #              record), $OUT/$GPU-torch-xla-gpu.txt (the log)
 #            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
-#              through torchax, in one lease -> $OUT/$GPU-serving-torch-xla.json (both runs)
+#              through torchax, in one lease -> $OUT/$GPU-serving-torch-xla.json (both runs);
+#              bench/torch_xla_step_profile.py -> $OUT/$GPU-torch-xla-step-profile.txt
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT="$PWD"
@@ -88,6 +89,10 @@ else
   step "serving, PJRT_DEVICE=GPU, staged torch_xla: ${SERVING[*]} --backend torch_xla"
   timeout 420 "${STAGED[@]}" python3 "${SERVING[@]}" --backend torch_xla --device cpu \
     --out /tmp/serving-torch-xla.json 2>&1 | grep -E "^serving|engine:|Error" | tee -a "$LOG" || status=1
+  step "where a torch_xla step's host time goes: bench/torch_xla_step_profile.py"
+  timeout 300 "${STAGED[@]}" python3 bench/torch_xla_step_profile.py \
+    > "$OUT/$GPU-torch-xla-step-profile.txt" 2>&1 || status=1
+  head -1 "$OUT/$GPU-torch-xla-step-profile.txt" | tee -a "$LOG"
   build_torch_extension env
   step "serving, the machine's JAX: ${SERVING[*]} --backend torchax"
   timeout 300 "${MACHINE[@]}" python3 "${SERVING[@]}" --backend torchax \
