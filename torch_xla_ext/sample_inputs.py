@@ -48,6 +48,26 @@ def paged_attention(seq_lens, num_heads, num_kv_heads, head_size, block_size, dt
                 seq_lens=seq_lens.to(device))
 
 
+def kv_cache_update(num_tokens, num_kv_heads, head_size, num_pages, page_size, dtype,
+                    skipped=slice(None, None, 3), seed=0):
+    """{key, value, kv_cache, slot_mapping} for kv_cache_update: each token to a distinct
+    random slot of the combined cache, except the tokens `skipped` selects (slot -1; default
+    every third)."""
+    gen = _generator(seed, "cpu")
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    kv_cache = torch.randn(num_pages, page_size, 2 * num_kv_heads, head_size,
+                           generator=gen).to(dtype)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].int()
+    slots[skipped] = -1
+    return dict(key=key, value=value, kv_cache=kv_cache, slot_mapping=slots)
+
+
+# A ragged batch as serving makes them: chunked prefills beside decodes, a prefill with
+# q_len == kv_len, and an empty sequence.
+MIXED_BATCH = dict(q_lens=[5, 1, 1, 16, 0, 3], kv_lens=[37, 9, 100, 16, 4, 3])
+
+
 def ragged_paged_attention(q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, page_size,
                            dtype, kv_dtype=None, max_num_seqs=None, padding_rows=0, seed=0,
                            device="cpu"):

@@ -10,21 +10,15 @@ import torch
 from tests import reference
 from tests.kernels.common import DTYPES, HANDLERS_CHECK_DATA, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
-from torch_xla_ext import op_catalog
+from torch_xla_ext import op_catalog, sample_inputs
 from torch_xla_ext.errors import TorchXlaExtError
 
 CACHE_DTYPES = DTYPES + [torch.float8_e4m3fn]
 
 
 def make_slot_inputs(num_tokens, num_kv_heads, head_size, num_pages, page_size, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
-    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
-    kv_cache = torch.randn(num_pages, page_size, 2 * num_kv_heads, head_size,
-                           generator=gen).to(dtype)
-    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].int()
-    slots[::3] = -1  # every third token skipped
-    return key, value, kv_cache, slots
+    return tuple(sample_inputs.kv_cache_update(num_tokens, num_kv_heads, head_size, num_pages,
+                                               page_size, dtype, seed=seed).values())
 
 
 def run_slots(inputs, jit=True):

@@ -11,17 +11,12 @@ import pytest
 import torch
 
 from tests import reference
+from torch_xla_ext import sample_inputs
 
 
-def _slot_inputs(dtype=torch.float32, num_tokens=5, kv_heads=2, head=64, pages=6, page=16,
-                 seed=0):
-    g = torch.Generator().manual_seed(seed)
-    key = torch.randn(num_tokens, kv_heads, head, generator=g).to(dtype)
-    value = torch.randn(num_tokens, kv_heads, head, generator=g).to(dtype)
-    kv_cache = torch.randn(pages, page, 2 * kv_heads, head, generator=g).to(dtype)
-    slots = torch.randperm(pages * page, generator=g)[:num_tokens].int()
-    slots[1] = -1
-    return key, value, kv_cache, slots
+def _slot_inputs(dtype=torch.float32):
+    """key, value, kv_cache [6 pages, 16, 4, 64], slots (token 1 skipped)."""
+    return tuple(sample_inputs.kv_cache_update(5, 2, 64, 6, 16, dtype, skipped=1).values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)

@@ -7,8 +7,7 @@ import torch
 
 from torch_xla_ext import sample_inputs
 
-# Chunked prefills beside decodes, a prefill with q_len == kv_len, and an empty sequence.
-MIX = dict(q_lens=[5, 1, 1, 16, 0, 3], kv_lens=[37, 9, 100, 16, 4, 3])
+MIX = sample_inputs.MIXED_BATCH
 
 
 def _reference(inputs, **attrs):

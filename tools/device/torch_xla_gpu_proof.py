@@ -23,9 +23,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-# Chunked prefills beside decodes, a prefill with q_len == kv_len, and an empty sequence (as
-# tests/torch_xla/ragged_test.py).
-RAGGED_MIX = dict(q_lens=[5, 1, 1, 16, 0, 3], kv_lens=[37, 9, 100, 16, 4, 3])
 PAGED_SEQ_LENS = [1, 100, 200, 256]
 
 
@@ -38,17 +35,6 @@ def _within(got, want, dtype):
 
     atol, rtol = sample_inputs.TOLERANCES[dtype]
     return bool(torch.allclose(got.double(), want.double(), atol=atol, rtol=rtol))
-
-
-def _kv_inputs(dtype, seed=0):
-    """key, value [5, 2, 64], kv_cache [6 pages, 16, 4 combined heads, 64], slots (one -1)."""
-    g = torch.Generator().manual_seed(seed)
-    key = torch.randn(5, 2, 64, generator=g).to(dtype)
-    value = torch.randn(5, 2, 64, generator=g).to(dtype)
-    kv_cache = torch.randn(6, 16, 4, 64, generator=g).to(dtype)
-    slots = torch.randperm(6 * 16, generator=g)[:5].int()
-    slots[1] = -1
-    return dict(key=key, value=value, kv_cache=kv_cache, slot_mapping=slots)
 
 
 def check(args):
@@ -96,9 +82,9 @@ def check(args):
         saved[f"paged_attention_{tag}"] = {"inputs": inputs, "attrs": {"scale": 0.088},
                                            "xla": got}
 
-        inputs = sample_inputs.ragged_paged_attention(**RAGGED_MIX, num_q_heads=8, num_kv_heads=2,
-                                                      head_dim=128, page_size=16, dtype=dtype,
-                                                      max_num_seqs=8, padding_rows=5)
+        inputs = sample_inputs.ragged_paged_attention(
+            **sample_inputs.MIXED_BATCH, num_q_heads=8, num_kv_heads=2, head_dim=128,
+            page_size=16, dtype=dtype, max_num_seqs=8, padding_rows=5)
         attrs = dict(sm_scale=0.088, sliding_window=64, soft_cap=30.0)
         on_xla = {k: v.to(device) for k, v in inputs.items()}
         got = torch.ops.xla.ragged_paged_attention(**on_xla, **attrs)
@@ -113,7 +99,7 @@ def check(args):
                 custom_call_in_hlo=in_hlo)
         saved[f"ragged_paged_attention_{tag}"] = {"inputs": inputs, "attrs": attrs, "xla": got}
 
-        inputs = _kv_inputs(dtype)
+        inputs = sample_inputs.kv_cache_update(5, 2, 64, 6, 16, dtype, skipped=1)
         want = reference.kv_cache_update_ref(inputs["key"], inputs["value"], inputs["kv_cache"],
                                              inputs["slot_mapping"])
         cache = inputs["kv_cache"].to(device)
