@@ -180,10 +180,7 @@ class Engine:
         outputs = self.backend.fetch(done.outputs)
         chunks = done.chunks
         token_ids = outputs[0][:len(chunks)]
-        # Tokens of sequences that finished or were aborted after this step was launched are
-        # dropped by the scheduler; the others are this step's new tokens.
-        sampled = [(c.seq.seq_id, i) for i, c in enumerate(chunks)
-                   if c.samples and not c.seq.finish_reason]
+        sampled = [(c.seq.seq_id, i) for i, c in enumerate(chunks) if c.takes_token]
         finished = self.scheduler.update(chunks, token_ids)
         out = StepOutput(
             step=done.step, num_seqs=len(chunks), num_tokens=sum(c.num_tokens for c in chunks),

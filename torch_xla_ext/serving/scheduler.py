@@ -79,6 +79,13 @@ class Chunk:
     samples: bool
     token_ids: list
 
+    @property
+    def takes_token(self):
+        """Whether its step's token is the sequence's next one: the chunk samples and the
+        sequence has not finished or been aborted since (`Scheduler.update` drops it else;
+        asked before the update, this says which tokens it will report)."""
+        return self.samples and not self.seq.finish_reason
+
 
 def _chunk(seq, num_tokens):
     start = seq.num_computed
@@ -171,10 +178,9 @@ class Scheduler:
         finished = []
         for chunk, token in zip(chunks, sampled):
             seq = chunk.seq
-            if not chunk.samples:
-                continue
-            seq.pending_rows.popleft()
-            if seq.finish_reason:
+            if chunk.samples:
+                seq.pending_rows.popleft()
+            if not chunk.takes_token:
                 continue
             seq.output.append(int(token))
             if seq.eos_token_id is not None and token == seq.eos_token_id:
