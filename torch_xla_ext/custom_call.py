@@ -27,6 +27,8 @@ API_VERSIONS = (1, 2, 3, 4)
 # torch_xla 2.8's `_xla_gpu_custom_call` always called this target, with the legacy ABI.
 LEGACY_GPU_TARGET = "triton_kernel_call"
 
+# NumPy's float types by their MLIR names: the attribute floats MLIR text is written in.
+_FLOAT_TYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
 # Attribute types: NumPy scalar and array types by the dtype table (no i1 arrays).
 _MLIR_NUMPY_TYPES = {np.dtype(n): d.mlir for n, d in DTYPES.items()
                      if n in np.sctypeDict and not n.startswith(("float8", "bfloat16"))}
@@ -38,7 +40,7 @@ def _mlir_string(text):
 
 
 def _mlir_float(value, mlir_type):
-    np_type = {"f16": np.float16, "f32": np.float32, "f64": np.float64}[mlir_type]
+    np_type = _FLOAT_TYPES[mlir_type]
     if math.isfinite(value):
         # The shortest decimal that reads back as the same value of that width.
         text = np.format_float_positional(np_type(value), unique=True, trim="0")
@@ -312,18 +314,19 @@ def _dictionary_entries(text):
             entries[name] = ("string", None)
         elif " : " in value and not value.startswith(("array", "{")):
             literal, _, mlir_type = (part.strip() for part in value.rpartition(" : "))
-            dtype = _DTYPE_OF_MLIR.get(mlir_type, mlir_type)
-            entries[name] = (dtype, _scalar(literal, dtype))
+            entries[name] = (_DTYPE_OF_MLIR.get(mlir_type, mlir_type), _scalar(literal, mlir_type))
         else:
             entries[name] = ("array or dictionary", None)
     return entries
 
 
-def _scalar(literal, dtype):
-    if literal.startswith("0x"):  # a float by its bits (non-finite)
-        width = DTYPES[dtype].mlir[1:] if dtype in DTYPES else "32"
-        return np.array(int(literal, 16), dtype=f"u{int(width) // 8}").view(
-            {"16": np.float16, "32": np.float32, "64": np.float64}[width]).item()
+def _scalar(literal, mlir_type):
+    if literal.startswith("0x"):  # a float by its bits (non-finite), as _mlir_float writes it
+        np_type = _FLOAT_TYPES.get(mlir_type)
+        if np_type is None:
+            return None  # a type no op's attribute has; check_call refuses it by type
+        return np.array(int(literal, 16), dtype=f"u{np.dtype(np_type).itemsize}").view(
+            np_type).item()
     try:
         return int(literal)
     except ValueError:

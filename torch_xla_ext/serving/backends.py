@@ -1,9 +1,9 @@
-"""Where a step runs: the same torch model code (llama.forward) on torch_xla's lazy tensors or
-as one jax.jit executable (torchax traces it once per shape). Each backend puts the weights and
-caches on its device, launches a step on a packed host buffer without waiting for it (`run`),
-and reads a launched step's outputs back as NumPy arrays (`fetch`), so that the engine can pack
-and launch the next step while one runs. The step's sampled tokens stay on the device as the
-next step's `previous_tokens`.
+"""Where a step runs: the same torch model code (llama.forward) compiled by torch_xla's dynamo
+backend or as one jax.jit executable (torchax traces it once per shape). Each backend puts the
+weights and caches on its device, launches a step on a packed host buffer without waiting for
+it (`run`), and reads a launched step's outputs back as NumPy arrays (`fetch`), so that the
+engine can pack and launch the next step while one runs. The step's sampled tokens stay on the
+device as the next step's `previous_tokens`.
 
   torch_xla  the step is torch.compile(backend="openxla") of llama.forward, once per step
              layout: dynamo traces the model once and each later call runs the cached XLA graph,
@@ -45,7 +45,7 @@ class TorchXlaBackend:
         import torch_xla_ext  # noqa: F401  (registers our ops and kernels)
 
         self.device = torch_xla.device()
-        self._steps = {}  # (layout, with_logits) -> the compiled step
+        self._steps = {}  # (shape, layout, with_logits) -> the compiled step
 
     def put(self, weights, cache_shapes, cache_dtype):
         """(weights, caches) on the device, materialised before the first step."""
@@ -65,26 +65,27 @@ class TorchXlaBackend:
         """Launches a step; returns (its outputs on the device, the caches it writes)."""
         from torch_xla_ext.step import failures_reported
 
-        step = self._steps.get((layout, with_logits))
-        if step is None:
-            step = self._steps[layout, with_logits] = self._compile(shape, layout, with_logits)
         packed = torch.from_numpy(packed).to(self.device)
         with failures_reported():
-            return step(weights, caches, packed, previous_tokens)
+            return self._step(shape, layout, with_logits)(weights, caches, packed,
+                                                          previous_tokens)
 
-    @staticmethod
-    def _compile(shape, layout, with_logits):
-        def step(weights, caches, packed, previous_tokens):
-            for cache in caches:  # written in place: donated to the graph, not copied
-                torch.ops.xla.dynamo_set_buffer_donor_(cache, True)
-            return llama.forward(shape, layout, with_logits, weights, caches, packed,
-                                 previous_tokens)
+    def _step(self, shape, layout, with_logits):
+        key = (shape, layout, with_logits)
+        if key not in self._steps:
+            def step(weights, caches, packed, previous_tokens):
+                for cache in caches:  # written in place: donated to the graph, not copied
+                    torch.ops.xla.dynamo_set_buffer_donor_(cache, True)
+                return llama.forward(shape, layout, with_logits, weights, caches, packed,
+                                     previous_tokens)
 
-        # A code object of its own per layout: dynamo counts recompilations per code object
-        # (8 at most with fullgraph), and each layout is a graph of its own, not a recompile.
-        step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
-                                  step.__defaults__, step.__closure__)
-        return torch.compile(step, backend="openxla", fullgraph=True, dynamic=False)
+            # A code object of its own per layout: dynamo counts recompilations per code
+            # object (8 at most with fullgraph), and each layout is a graph of its own.
+            step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                                      step.__defaults__, step.__closure__)
+            self._steps[key] = torch.compile(step, backend="openxla", fullgraph=True,
+                                             dynamic=False)
+        return self._steps[key]
 
     def fetch(self, outputs):
         from torch_xla_ext.step import failures_reported
