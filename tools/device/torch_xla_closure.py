@@ -163,16 +163,20 @@ __attribute__((visibility("hidden"))) void torch_xla_gpu_stub_trap(const char* s
 """
 
 
-def missing_symbols(keep, dropped):
-    """{stub soname: {name: (type, size)}}: what the kept libraries leave undefined and no kept
-    library defines, attributed to the stubbed library that would have defined it; and the
-    names no stub would define (whole trees have none)."""
-    undefined, provided = set(), set()
-    for path in keep:
+def symbol_table(paths):
+    """(undefined, defined) dynamic symbol names of the libraries at `paths`, together."""
+    undefined, defined = set(), set()
+    for path in paths:
         undefined |= dynamic_symbols(path, defined=False)
-        provided |= set(dynamic_symbols(path, defined=True))
+        defined |= set(dynamic_symbols(path, defined=True))
+    return undefined, defined
+
+
+def missing_symbols(undefined, defined, dropped):
+    """{stub soname: {name: (type, size)}}: the names undefined and not defined, attributed
+    to the stubbed library that would have defined them."""
     wanted = {soname: {} for soname in STUBS}
-    for name in sorted(undefined - provided):
+    for name in sorted(undefined - defined):
         if name in dropped:
             wanted["libtorch_cuda.so"][name] = dropped[name]
             continue
@@ -225,9 +229,8 @@ def stage(args):
     for name in os.listdir(cupti):
         if name.startswith(("libnvperf", "libcheckpoint", "libpcsampling")):
             os.remove(os.path.join(cupti, name))
-    keep = [p for p in elf_files(site) if os.path.dirname(p) != lib or
-            os.path.basename(p) not in STUBS]
-    wanted = missing_symbols(keep, dropped)
+    undefined, defined = symbol_table(elf_files(site))
+    wanted = missing_symbols(undefined, defined, dropped)
     build_stubs(lib, wanted)
     # _XLAC names libpythonX.Y.so.1.0 as NEEDED, which a Python linked statically (Ubuntu's)
     # does not ship; its symbols come from the interpreter. An empty library of that name on
@@ -238,7 +241,8 @@ def stage(args):
         run("gcc", "-shared", "-fPIC", "-o", os.path.join(site, "torch_xla", "lib", python_lib),
             f"-Wl,-soname,{python_lib}", empty.name)
     # The check: with the stubs in the tree, nothing a dropped library defined is missing.
-    still = missing_symbols([*keep, *(os.path.join(lib, soname) for soname in STUBS)], dropped)
+    _, stubbed = symbol_table(os.path.join(lib, soname) for soname in STUBS)
+    still = missing_symbols(undefined, defined | stubbed, dropped)
     if any(still.values()):
         raise SystemExit(f"symbols no stub defines: {still}")
     counts = {soname: len(symbols) for soname, symbols in wanted.items()}
