@@ -1,8 +1,8 @@
-"""Async scheduling against the synchronous loop, through torchax on JAX's CPU with a tiny float32
-Llama: randomized workloads of arrivals, aborts, EOS and max-token finishes give the same tokens,
-token for token. After every step the pages in use are exactly those the running sequences hold,
-and no token is reported for a request after it finished or was aborted; at the end every page
-is free."""
+"""Async scheduling, alone and with runs of decode steps, against the synchronous loop, through
+torchax on JAX's CPU with a tiny float32 Llama: randomized workloads of arrivals, aborts, EOS
+and max-token finishes give the same tokens, token for token. After every step the pages in use
+are exactly those the running sequences hold, and no token is reported for a request after it
+finished or was aborted; at the end every page is free."""
 
 import collections
 
@@ -21,7 +21,9 @@ def engines():
     """A synchronous and an async engine over one tiny model (reused: each compiles once)."""
     model = hf.random_model(hf.TINY, seed=0)
     return {"sync": Engine(model, backend="torchax", async_scheduling=False, **ENGINE_ARGS),
-            "async": Engine(model, backend="torchax", async_scheduling=True, **ENGINE_ARGS)}
+            "async": Engine(model, backend="torchax", async_scheduling=True, **ENGINE_ARGS),
+            "runs": Engine(model, backend="torchax", async_scheduling=True, max_decode_steps=3,
+                           **ENGINE_ARGS)}
 
 
 def _check_pages(engine, ended_ids):
@@ -103,6 +105,7 @@ def test_async_gives_the_synchronous_tokens(engines, workload, seed):
         request["abort_after"] = w["abort_after"]
     got = _drive(engines["async"], requests)
     assert got == _drive(engines["sync"], requests)
+    assert _drive(engines["runs"], requests) == got
     for tokens, reference in zip(got, full):
         assert tokens == reference[:len(tokens)]
 

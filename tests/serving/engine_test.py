@@ -189,3 +189,24 @@ def test_a_step_donates_every_cache(tmp_path):
         # ... and no instruction copies a whole cache.
         assert not [line for line in module.splitlines()
                     if f"= {cache_type}" in line and " copy(" in line]
+
+
+def test_runs_of_decode_steps_give_the_same_tokens(model):
+    """max_decode_steps=4 through torch_xla: a run's steps are launched one after another with
+    no scheduling or packing between them, the batch advanced on the device."""
+    eos = model.config.eos_token_id
+    requests = prompts(model.config.vocab_size)
+    new_tokens = 2 * MAX_NEW_TOKENS
+    expected = [hf.reference_generate(model, p, new_tokens, eos)[0] for p in requests]
+    engine = Engine(model, backend="torch_xla", max_decode_steps=4,
+                    **dict(ENGINE_ARGS, num_pages=16))
+    runs, run_decodes = [], engine.backend.run_decodes
+
+    def counted(shape, layout, page_size, max_steps, num_steps, *args):
+        runs.append(num_steps)
+        return run_decodes(shape, layout, page_size, max_steps, num_steps, *args)
+
+    engine.backend.run_decodes = counted
+    assert engine.generate(requests, new_tokens, ARRIVALS, eos_token_id=eos) == expected
+    assert runs and max(runs) == 4, runs
+    assert engine.allocator.num_free == engine.num_pages

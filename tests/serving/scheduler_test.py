@@ -204,6 +204,49 @@ def test_batch_packs_a_ragged_step_for_the_ops():
     assert arrays["page_indices"][0, :3].tolist() == tables[0]
 
 
+def test_decode_steps_run_only_while_every_sequence_decodes_and_none_waits():
+    sched = _scheduler(budget=16)
+    a, b = Sequence(0, [1, 2, 3], max_new_tokens=6), Sequence(1, list(range(20)), 9)
+    assert sched.decode_steps(8) == 0  # nothing running
+    sched.add(a)
+    sched.add(b)
+    assert sched.decode_steps(8) == 0  # waiting requests
+    _run_step(sched)  # a's prompt and 13 of b's
+    assert sched.decode_steps(8) == 0  # b is still in its prompt
+    _run_step(sched)  # a decodes, b's prompt ends
+    assert len(a.output) == 2 and len(b.output) == 1
+    assert sched.decode_steps(8) == 4  # a has 4 tokens left to generate
+    assert sched.decode_steps(3) == 3
+    sched.schedule()  # one step in flight: a has 3 left
+    assert sched.decode_steps(8) == 3
+    sched.add(Sequence(2, [5], 4))
+    assert sched.decode_steps(8) == 0
+
+
+def test_a_run_of_decode_steps_is_packed_once_and_advanced_on_the_device():
+    """The batch the device computes for each later step of a run (llama.next_decode_batch)
+    is the one the host would pack for it."""
+    import numpy as np
+    import torch
+
+    from torch_xla_ext.serving import llama
+
+    sched = _scheduler(page_size=4)
+    for seq_id, prompt_len in enumerate([6, 3, 8]):
+        sched.add(Sequence(seq_id, list(range(1, prompt_len + 1)), max_new_tokens=9))
+    _run_step(sched)  # the budget leaves sequence 2 one prompt token: a run may start with it
+    assert sched.running[2].num_computed == 7
+    steps = sched.schedule_decodes(sched.decode_steps(6))
+    assert len(steps) == 6 and all(len(chunks) == 3 for chunks in steps)
+    layout = batch.StepLayout(num_tokens=8, max_num_seqs=4, pages_per_seq=5)
+    tables = [sched.allocator.table(c.seq.seq_id) for c in steps[0]]
+    packed = torch.from_numpy(batch.build(steps[0], tables, layout, page_size=4, num_pages=64))
+    for chunks in steps[1:]:
+        packed = llama.next_decode_batch(layout, 4, packed)
+        np.testing.assert_array_equal(
+            packed.numpy(), batch.build(chunks, tables, layout, page_size=4, num_pages=64))
+
+
 def test_token_buckets():
     assert batch.token_buckets(256) == [16, 32, 64, 128, 256]
     assert batch.token_buckets(100, smallest=8) == [8, 16, 32, 64, 100]

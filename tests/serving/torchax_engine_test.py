@@ -37,3 +37,47 @@ def test_tokens_equal_transformers_generate(compiles, async_scheduling):
     before = len(compiles)
     assert engine.generate(requests, MAX_NEW_TOKENS, ARRIVALS, eos_token_id=eos) == expected
     assert len(compiles) == before
+
+
+def _count_runs(engine):
+    """A list that gets each run of decode steps' length as the engine launches it."""
+    runs, run_decodes = [], engine.backend.run_decodes
+
+    def counted(shape, layout, page_size, max_steps, num_steps, *args):
+        runs.append(num_steps)
+        return run_decodes(shape, layout, page_size, max_steps, num_steps, *args)
+
+    engine.backend.run_decodes = counted
+    return runs
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_runs_of_decode_steps_give_the_same_tokens(compiles, async_scheduling):
+    """max_decode_steps=4: the decodes between arrivals run up to 4 steps per launch, one loop
+    compiled for the decode bucket whatever the run's length, the caches donated to it and not
+    copied."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    model = hf.random_model(hf.TINY, seed=0)
+    eos = model.config.eos_token_id
+    requests = prompts(model.config.vocab_size)
+    new_tokens = 2 * MAX_NEW_TOKENS
+    expected = [hf.reference_generate(model, p, new_tokens, eos)[0] for p in requests]
+    engine = Engine(model, backend="torchax", async_scheduling=async_scheduling,
+                    max_decode_steps=4, **dict(ENGINE_ARGS, num_pages=16))
+    runs = _count_runs(engine)
+    before = len(compiles)
+    assert engine.generate(requests, new_tokens, ARRIVALS, eos_token_id=eos) == expected
+    assert runs and max(runs) == 4, runs
+    assert len(compiles) - before == len(engine.buckets_used) + 1
+    assert engine.allocator.num_free == engine.num_pages
+    (key, decodes), = [(k, f) for k, f in engine.backend._steps.items() if k[0] == "decodes"]
+    layout = key[2]
+    module = decodes.lower(engine.weights, engine.caches, np.zeros(layout.size, np.int32),
+                           engine._previous_tokens, jnp.int32(1)).compile().as_text()
+    cache_type = "f32[{},{},{},{}]".format(*engine.caches[0].shape)
+    header = module.splitlines()[0]
+    assert header.count("may-alias") == hf.TINY["num_hidden_layers"], header
+    assert not [line for line in module.splitlines()
+                if f"= {cache_type}" in line and " copy(" in line]

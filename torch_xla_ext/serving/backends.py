@@ -36,6 +36,15 @@ def _map(fn, tree):
     return None if tree is None else fn(tree)
 
 
+def _compiled(fn):
+    """torch.compile(fn) through torch_xla's dynamo backend, on a code object of its own:
+    dynamo counts recompilations per code object (8 at most with fullgraph), and each layout
+    is a graph of its own."""
+    fn = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                            fn.__closure__)
+    return torch.compile(fn, backend="openxla", fullgraph=True, dynamic=False)
+
+
 class TorchXlaBackend:
     name = "torch_xla"
 
@@ -79,12 +88,40 @@ class TorchXlaBackend:
                 return llama.forward(shape, layout, with_logits, weights, caches, packed,
                                      previous_tokens)
 
-            # A code object of its own per layout: dynamo counts recompilations per code
-            # object (8 at most with fullgraph), and each layout is a graph of its own.
-            step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
-                                      step.__defaults__, step.__closure__)
-            self._steps[key] = torch.compile(step, backend="openxla", fullgraph=True,
-                                             dynamic=False)
+            self._steps[key] = _compiled(step)
+        return self._steps[key]
+
+    def run_decodes(self, shape, layout, page_size, max_steps, num_steps, weights, caches,
+                    packed, previous_tokens):
+        """Launches num_steps decode steps (<= max_steps), the first on `packed`, each later
+        one on the batch the step before computes (llama.next_decode_batch); returns
+        ((token ids [num_steps, max_num_seqs], the last step's), the caches). One compiled
+        graph per step, launched num_steps times (torch_xla's dynamo bridge keeps no loop on
+        the device), but the host neither schedules nor packs between the steps; stacking the
+        tokens is a small graph of its own per num_steps."""
+        from torch_xla_ext.step import failures_reported
+
+        step = self._decode_step(shape, layout, page_size)
+        packed = torch.from_numpy(packed).to(self.device)
+        tokens = []
+        with failures_reported():
+            for _ in range(num_steps):
+                (token_ids,), packed, caches = step(weights, caches, packed, previous_tokens)
+                tokens.append(token_ids)
+                previous_tokens = token_ids
+            return (torch.stack(tokens), previous_tokens), caches
+
+    def _decode_step(self, shape, layout, page_size):
+        key = ("decode", shape, layout, page_size)
+        if key not in self._steps:
+            def step(weights, caches, packed, previous_tokens):
+                for cache in caches:
+                    torch.ops.xla.dynamo_set_buffer_donor_(cache, True)
+                outputs, caches = llama.forward(shape, layout, False, weights, caches, packed,
+                                                previous_tokens)
+                return outputs, llama.next_decode_batch(layout, page_size, packed), caches
+
+            self._steps[key] = _compiled(step)
         return self._steps[key]
 
     def fetch(self, outputs):
@@ -147,6 +184,46 @@ class TorchaxBackend:
         for output in outputs:  # on its way to the host while the next step is packed
             output.copy_to_host_async()
         return outputs, caches
+
+    def run_decodes(self, shape, layout, page_size, max_steps, num_steps, weights, caches,
+                    packed, previous_tokens):
+        """As TorchXlaBackend.run_decodes (token ids [max_steps, max_num_seqs], the rows past
+        num_steps zero), in one launch: the steps are a loop in the executable, and num_steps
+        is data, so one compile serves every count up to max_steps."""
+        import jax.numpy as jnp
+
+        (tokens, last), caches = self._decodes(shape, layout, page_size, max_steps)(
+            weights, caches, packed, previous_tokens, jnp.int32(num_steps))
+        tokens.copy_to_host_async()
+        return (tokens, last), caches
+
+    def _decodes(self, shape, layout, page_size, max_steps):
+        key = ("decodes", shape, layout, page_size, max_steps)
+        if key not in self._steps:
+            import jax
+            import jax.numpy as jnp
+            import torchax.interop
+
+            forward = torchax.interop.jax_view(
+                functools.partial(llama.forward, shape, layout, False))
+            next_batch = torchax.interop.jax_view(
+                functools.partial(llama.next_decode_batch, layout, page_size))
+            env = self.env
+
+            def decodes(weights, caches, packed, previous_tokens, num_steps):
+                def step(i, carry):
+                    caches, packed, previous_tokens, tokens = carry
+                    (token_ids,), caches = forward(weights, caches, packed, previous_tokens)
+                    return caches, next_batch(packed), token_ids, tokens.at[i].set(token_ids)
+
+                tokens = jnp.zeros((max_steps, layout.max_num_seqs), jnp.int32)
+                with env:
+                    caches, _, last, tokens = jax.lax.fori_loop(
+                        0, num_steps, step, (caches, packed, previous_tokens, tokens))
+                return (tokens, last), caches
+
+            self._steps[key] = jax.jit(decodes, donate_argnums=(1,))
+        return self._steps[key]
 
     def fetch(self, outputs):
         return [np.asarray(o) for o in outputs]

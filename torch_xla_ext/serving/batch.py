@@ -29,7 +29,8 @@ class StepLayout:
     pages_per_seq: int
 
     @property
-    def _sizes(self):
+    def sizes(self):
+        """{name: length} of the arrays in packed order."""
         t, s = self.num_tokens, self.max_num_seqs
         return {"token_ids": t, "positions": t, "slot_mapping": t, "kv_lens": s,
                 "page_indices": s * self.pages_per_seq, "cu_q_lens": s + 1, "num_seqs": 1,
@@ -37,12 +38,12 @@ class StepLayout:
 
     @property
     def size(self):
-        return sum(self._sizes.values())
+        return sum(self.sizes.values())
 
     def unpack(self, packed):
         """{name: slice of packed} (works on numpy arrays and torch tensors alike)."""
         arrays, offset = {}, 0
-        for name, size in self._sizes.items():
+        for name, size in self.sizes.items():
             arrays[name] = packed[offset:offset + size]
             offset += size
         arrays["page_indices"] = arrays["page_indices"].reshape(self.max_num_seqs,

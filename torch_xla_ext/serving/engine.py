@@ -20,11 +20,21 @@ flight has that step's token dropped; one whose max_new_tokens-th token is in fl
 scheduled again. `async_scheduling=False` launches a step and waits for it in the same call.
 Either way each `step()` reports one step, in order, and the tokens are the same.
 
+Runs of decode steps (max_decode_steps > 1): when every running sequence only decodes and no
+request waits, up to max_decode_steps steps, and no more than any sequence has tokens left to
+generate, launch as one. The device computes each step's batch from the one before
+(llama.next_decode_batch) and feeds it the tokens it sampled; the host schedules the run's
+steps at once and reads their tokens back together. Nothing but an EOS token or an abort can
+end a sequence within the run, and those drop the tokens after them as they do for steps in
+flight, so the tokens are those of single steps. A request added meanwhile waits for the run
+to end (at most max_decode_steps - 1 steps later than otherwise).
+
 Compiles: one per token bucket a step uses (buckets: batch.token_buckets, e.g. 16, 32, 64, 128,
 256 for max_num_batched_tokens=256), whatever the requests, since max_num_seqs and
-pages_per_seq are fixed.
+pages_per_seq are fixed; with runs of decode steps, one more per bucket a run uses.
 """
 
+import collections
 import dataclasses
 import time
 from typing import Optional
@@ -44,7 +54,8 @@ class StepOutput:
     num_tokens: int  # tokens run (prefill chunks and decodes), before padding
     num_prefill_tokens: int
     bucket: int  # the padded token count the step ran at
-    first_use_of_bucket: bool  # the step compiled (or loaded) its graph
+    first_use_of_bucket: bool  # the step compiled (or loaded) its graph (a single step's, or
+    # that of a run of decode steps)
     seconds: float  # wall time of the step() call that reported it
     new_tokens: dict  # seq_id -> the token generated for it in this step
     finished: dict  # seq_id -> all its generated tokens, for those that finished
@@ -58,12 +69,13 @@ def _is_token_id(value, vocab_size):
 
 @dataclasses.dataclass
 class _Launched:
-    """A step launched on the device, its results not yet read back."""
-    step: int
-    chunks: list
+    """Steps launched on the device as one (a single step, or a run of decode steps), their
+    results not yet read back."""
+    step: int  # the first one's number
+    steps: list  # each step's chunks
     bucket: int
     first_use_of_bucket: bool
-    outputs: list  # the backend's device arrays: token ids (+ logits)
+    outputs: list  # the backend's device arrays: token ids (+ logits) ([steps, seqs] for a run)
     # The caches it was given (donated: they are its outputs now), dropped once it is read
     # back: releasing an array donated to a step still running waits for that step (seen on
     # XLA CPU: 0.2 s per launch), which would serialise the launch with the step before.
@@ -73,12 +85,15 @@ class _Launched:
 class Engine:
     def __init__(self, model, *, backend="torch_xla", dtype=None, page_size=16, num_pages=None,
                  max_num_seqs=8, max_num_batched_tokens=256, max_model_len=None,
-                 smallest_bucket=16, with_logits=False, async_scheduling=True):
+                 smallest_bucket=16, with_logits=False, async_scheduling=True,
+                 max_decode_steps=1):
         """`model`: a transformers LlamaForCausalLM (its weights are copied to the device in
         `dtype`, default the model's). num_pages: default enough for max_num_seqs sequences of
         max_model_len tokens (default config.max_position_embeddings). with_logits: also
         return each new token's logits (StepOutput.logits), for comparisons. async_scheduling:
-        launch the next step before waiting for the current one (module docstring)."""
+        launch the next step before waiting for the current one (module docstring).
+        max_decode_steps: up to this many decode steps in one launch when only decodes run
+        (module docstring); 1 launches every step alone."""
         if backend not in backends.BACKENDS:
             raise TorchXlaExtError(f"Engine: argument 'backend': expected one of "
                                    f"{sorted(backends.BACKENDS)}, got {backend!r}")
@@ -92,6 +107,11 @@ class Engine:
         self.buckets = batch.token_buckets(max_num_batched_tokens, smallest_bucket)
         self.with_logits = with_logits
         self.async_scheduling = bool(async_scheduling)
+        if isinstance(max_decode_steps, bool) or not isinstance(max_decode_steps, int) or \
+                max_decode_steps < 1:
+            raise TorchXlaExtError(f"Engine: argument 'max_decode_steps': expected a positive "
+                                   f"integer, got {max_decode_steps!r}")
+        self.max_decode_steps = max_decode_steps
         self.allocator = BlockAllocator(self.num_pages, page_size)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
                                    max_model_len)
@@ -102,8 +122,10 @@ class Engine:
         self.weights, self.caches = self.backend.put(
             host_weights, [cache_shape] * self.shape.num_layers, host_weights["embed"].dtype)
         self._previous_tokens = self.backend.tokens(max_num_seqs)
-        self._in_flight = None  # a launched step whose results are not read yet
+        self._in_flight = None  # launched steps whose results are not read yet
+        self._unreported = collections.deque()  # (chunks, tokens, logits) of read-back steps
         self.buckets_used = set()
+        self._graphs_used = set()  # (bucket, a run of decode steps)
         self._steps = 0
         self._launches = 0
         self._next_id = 0
@@ -140,7 +162,8 @@ class Engine:
         return self.scheduler.abort(seq_id) is not None
 
     def has_unfinished(self):
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or bool(self._unreported))
 
     @property
     def num_steps(self):
@@ -148,29 +171,44 @@ class Engine:
         return self._steps
 
     def _launch(self):
-        """Schedules, packs and launches a step; None when nothing is left to schedule."""
-        chunks = self.scheduler.schedule()
+        """Schedules, packs and launches a step, or a run of decode steps; None when nothing
+        is left to schedule."""
+        num_steps = 0 if self.with_logits else self.scheduler.decode_steps(self.max_decode_steps)
+        if num_steps > 1:
+            steps = self.scheduler.schedule_decodes(num_steps)
+        else:
+            steps = [self.scheduler.schedule()]
+        chunks = steps[0]
         if not chunks:
             return None
         bucket = batch.pick_bucket(self.buckets, sum(c.num_tokens for c in chunks))
+        # Packed after every step of a run is scheduled: the block tables hold all their pages.
         layout, packed = self.host_batch.pack(
             chunks, [self.allocator.table(c.seq.seq_id) for c in chunks], bucket,
             self.page_size, self.num_pages)
         donated = self.caches
-        outputs, self.caches = self.backend.run(self.shape, layout, self.with_logits,
-                                                self.weights, donated, packed,
-                                                self._previous_tokens)
-        self._previous_tokens = outputs[0]
-        launched = _Launched(self._launches, chunks, bucket, bucket not in self.buckets_used,
+        if num_steps > 1:
+            (tokens, last), self.caches = self.backend.run_decodes(
+                self.shape, layout, self.page_size, self.max_decode_steps, num_steps,
+                self.weights, donated, packed, self._previous_tokens)
+            outputs = [tokens]
+            self._previous_tokens = last
+        else:
+            outputs, self.caches = self.backend.run(self.shape, layout, self.with_logits,
+                                                    self.weights, donated, packed,
+                                                    self._previous_tokens)
+            self._previous_tokens = outputs[0]
+        graph = (bucket, num_steps > 1)
+        launched = _Launched(self._launches, steps, bucket, graph not in self._graphs_used,
                              outputs, donated)
         self.buckets_used.add(bucket)
-        self._launches += 1
+        self._graphs_used.add(graph)
+        self._launches += len(steps)
         return launched
 
-    def step(self):
-        """Runs one step; returns what it did (StepOutput). With async scheduling, the step
-        after it is launched first."""
-        start = time.perf_counter()
+    def _read_back(self):
+        """Waits for the oldest launch (with async scheduling, after launching the next) and
+        queues its steps' results for reporting."""
         if self._in_flight is None:
             self._in_flight = self._launch()
             if self._in_flight is None:
@@ -178,19 +216,31 @@ class Engine:
         done = self._in_flight
         self._in_flight = self._launch() if self.async_scheduling else None
         outputs = self.backend.fetch(done.outputs)
-        chunks = done.chunks
-        token_ids = outputs[0][:len(chunks)]
+        tokens = outputs[0].reshape(-1, self.max_num_seqs)
+        for i, chunks in enumerate(done.steps):
+            self._unreported.append((done, i, chunks, tokens[i],
+                                     outputs[1] if self.with_logits else None))
+
+    def step(self):
+        """Runs one step; returns what it did (StepOutput). With async scheduling, the step
+        after it is launched first; of a run of decode steps, the first step() waits for all
+        and the others report what is already read back."""
+        start = time.perf_counter()
+        if not self._unreported:
+            self._read_back()
+        done, index, chunks, token_ids, logits = self._unreported.popleft()
         sampled = [(c.seq.seq_id, i) for i, c in enumerate(chunks) if c.takes_token]
-        finished = self.scheduler.update(chunks, token_ids)
+        finished = self.scheduler.update(chunks, token_ids[:len(chunks)])
         out = StepOutput(
-            step=done.step, num_seqs=len(chunks), num_tokens=sum(c.num_tokens for c in chunks),
+            step=done.step + index, num_seqs=len(chunks),
+            num_tokens=sum(c.num_tokens for c in chunks),
             num_prefill_tokens=sum(c.num_tokens for c in chunks
                                    if c.start < len(c.seq.prompt)),
-            bucket=done.bucket, first_use_of_bucket=done.first_use_of_bucket,
+            bucket=done.bucket, first_use_of_bucket=done.first_use_of_bucket and index == 0,
             seconds=time.perf_counter() - start,
             new_tokens={seq_id: int(token_ids[i]) for seq_id, i in sampled},
             finished={s.seq_id: list(s.output) for s in finished},
-            logits={seq_id: outputs[1][i] for seq_id, i in sampled} if self.with_logits
+            logits={seq_id: logits[i] for seq_id, i in sampled} if logits is not None
             else None)
         self._steps += 1
         return out

@@ -154,3 +154,28 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     logits = F.linear(last, weights.get("lm_head", weights["embed"]))
     token_ids = logits.argmax(dim=-1).to(torch.int32)
     return ((token_ids, logits.float()) if with_logits else (token_ids,)), caches
+
+
+def next_decode_batch(layout, page_size, packed):
+    """The packed batch (batch.StepLayout `layout`) of the decode step after the one `packed`
+    describes, where every sequence runs one token (row i is sequence i): each sequence's token
+    is the one this step samples for it (placeholder -1 - i: previous_tokens[i] of the next
+    step), one position further, written into the slot its block table gives for that position
+    (the scheduler gave it the page), one more token in its cache. Padding rows, block tables,
+    cu_q_lens, num_seqs and sample_rows stay as they are."""
+    arrays = layout.unpack(packed)
+    num_seqs = arrays["num_seqs"]
+    rows = torch.arange(layout.num_tokens, dtype=packed.dtype, device=packed.device)
+    decoding = rows < num_seqs
+    positions = arrays["positions"] + decoding.to(packed.dtype)
+    # Clamped: after a run's last step, the position past a sequence's pages is never used.
+    pages = arrays["page_indices"][rows.clamp(max=layout.max_num_seqs - 1),
+                                   (positions // page_size).clamp(max=layout.pages_per_seq - 1)]
+    seqs = torch.arange(layout.max_num_seqs, dtype=packed.dtype, device=packed.device)
+    arrays.update(
+        token_ids=torch.where(decoding, -1 - rows, arrays["token_ids"]),
+        positions=positions,
+        slot_mapping=torch.where(decoding, pages * page_size + positions % page_size,
+                                 arrays["slot_mapping"]),
+        kv_lens=arrays["kv_lens"] + (seqs < num_seqs).to(packed.dtype))
+    return torch.cat([arrays[name].reshape(-1) for name in layout.sizes])

@@ -170,6 +170,29 @@ class Scheduler:
                 chunk.seq.pending_rows.append(row)
         return chunks
 
+    def decode_steps(self, max_steps):
+        """How many decode steps in a row the running sequences may take as one launch: 0
+        unless every running sequence has one token to run (a decode, or its prompt's last
+        token) and nothing waits to be admitted, else the most steps (at most max_steps) before any of them reaches its
+        max_new_tokens. Within them nothing can change on the host's side but an EOS token or an
+        abort, which `update` handles as for single steps (the tokens after it are dropped), so
+        the steps give the tokens single steps give."""
+        if self.waiting or not self.running:
+            return 0
+        steps = max_steps
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed != 1:
+                return 0
+            steps = min(steps, seq.max_new_tokens - len(seq.output) - len(seq.pending_rows))
+        return max(steps, 0)
+
+    def schedule_decodes(self, num_steps):
+        """The chunks of num_steps decode steps of every running sequence, launched as one
+        (`decode_steps` says how many may be): a list of each step's chunks, scheduled as
+        `schedule` would schedule them one after the other, so the pages hold every step's
+        tokens and each step's token is pending in the sequence's row."""
+        return [self.schedule() for _ in range(num_steps)]
+
     def update(self, chunks, sampled):
         """Takes the sampled tokens of a step that `schedule()` returned `chunks` for (the
         oldest step not yet updated); `sampled[i]` is the token sampled for chunks[i]. Returns
