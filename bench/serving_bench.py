@@ -68,7 +68,8 @@ def floor_ms(engine, weight_bytes, kv_tokens, gbps):
 
 class HostTimes:
     """Host time spent in the engine's parts, per step (wraps its methods in timers)."""
-    PARTS = {"schedule": [("scheduler", "schedule")], "update": [("scheduler", "update")],
+    PARTS = {"schedule": [("scheduler", "schedule"), ("scheduler", "schedule_decodes")],
+             "update": [("scheduler", "update")],
              "pack": [("host_batch", "pack")],
              "launch": [("backend", "run"), ("backend", "run_decodes")],
              "fetch": [("backend", "fetch")]}
@@ -127,14 +128,19 @@ def _mode(engine):
     return "async" if engine.async_scheduling else "sync"
 
 
-def _profile_steps(engine, profile_steps):
-    """Steps to profile: profile_steps, or as many runs of decode steps, the first step() a
-    run's first (its launch and read-back are in the trace)."""
+def _profile(engine, profile_steps):
+    """gpu_profile of profile_steps steps; with runs of decode steps, of that many runs, each
+    launched and waited for in its first step() (async scheduling off meanwhile, after the
+    steps in flight are reported): the trace holds exactly their work."""
     if engine.max_decode_steps == 1:
-        return profile_steps
-    while engine._unreported:
-        engine.step()
-    return profile_steps * engine.max_decode_steps
+        return gpu_profile(engine.step, profile_steps)
+    engine.async_scheduling = False
+    try:
+        while engine._in_flight is not None or engine._unreported:
+            engine.step()
+        return gpu_profile(engine.step, profile_steps * engine.max_decode_steps)
+    finally:
+        engine.async_scheduling = True
 
 
 def _impl(engine):
@@ -154,8 +160,7 @@ def ours_decode(engine, batch, args, profile_steps, host, run):
     assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs), \
         [(o.num_seqs, o.num_prefill_tokens) for o in outs]
     host_us = host.per_step_us(args.steps)
-    profile = gpu_profile(engine.step, _profile_steps(engine, profile_steps)) \
-        if profile_steps else None
+    profile = _profile(engine, profile_steps) if profile_steps else None
     while engine.has_unfinished():  # free the pages for the next row
         engine.step()
     return _with_floor({

@@ -204,47 +204,64 @@ def test_batch_packs_a_ragged_step_for_the_ops():
     assert arrays["page_indices"][0, :3].tolist() == tables[0]
 
 
-def test_decode_steps_run_only_while_every_sequence_decodes_and_none_waits():
+def test_runs_of_decode_steps_start_only_while_every_sequence_decodes_and_none_waits():
     sched = _scheduler(budget=16)
-    a, b = Sequence(0, [1, 2, 3], max_new_tokens=6), Sequence(1, list(range(20)), 9)
-    assert sched.decode_steps(8) == 0  # nothing running
+    a, b = Sequence(0, [1, 2, 3], max_new_tokens=6), Sequence(1, list(range(20)), 5)
+    assert not sched.runs_decodes(2)  # nothing running
     sched.add(a)
     sched.add(b)
-    assert sched.decode_steps(8) == 0  # waiting requests
+    assert not sched.runs_decodes(2)  # waiting requests
     _run_step(sched)  # a's prompt and 13 of b's
-    assert sched.decode_steps(8) == 0  # b is still in its prompt
+    assert not sched.runs_decodes(2)  # b is still in its prompt
     _run_step(sched)  # a decodes, b's prompt ends
     assert len(a.output) == 2 and len(b.output) == 1
-    assert sched.decode_steps(8) == 4  # a has 4 tokens left to generate
-    assert sched.decode_steps(3) == 3
-    sched.schedule()  # one step in flight: a has 3 left
-    assert sched.decode_steps(8) == 3
+    assert sched.runs_decodes(4) and not sched.runs_decodes(5)  # a has 4 tokens left, b 4
+    sched.schedule()  # one step in flight: 3 left each
+    assert sched.runs_decodes(3) and not sched.runs_decodes(4)
     sched.add(Sequence(2, [5], 4))
-    assert sched.decode_steps(8) == 0
+    assert not sched.runs_decodes(2)
 
 
 def test_a_run_of_decode_steps_is_packed_once_and_advanced_on_the_device():
-    """The batch the device computes for each later step of a run (llama.next_decode_batch)
-    is the one the host would pack for it."""
+    """The batch the device computes for each later step of a run (llama.next_decode_batch):
+    each sequence's row as the host would pack it while the sequence has steps left in the run,
+    then idle, writing nothing; each step's chunks keep the rows of the first."""
     import numpy as np
     import torch
 
     from torch_xla_ext.serving import llama
 
     sched = _scheduler(page_size=4)
-    for seq_id, prompt_len in enumerate([6, 3, 8]):
-        sched.add(Sequence(seq_id, list(range(1, prompt_len + 1)), max_new_tokens=9))
+    for seq_id, (prompt_len, new_tokens) in enumerate([(6, 9), (3, 3), (8, 5)]):
+        sched.add(Sequence(seq_id, list(range(1, prompt_len + 1)), new_tokens))
     _run_step(sched)  # the budget leaves sequence 2 one prompt token: a run may start with it
-    assert sched.running[2].num_computed == 7
-    steps = sched.schedule_decodes(sched.decode_steps(6))
-    assert len(steps) == 6 and all(len(chunks) == 3 for chunks in steps)
+    assert sched.running[2].num_computed == 7 and sched.runs_decodes(6)
+    steps, row_steps = sched.schedule_decodes(6)
+    assert row_steps == [6, 2, 5]  # tokens each has left, at most the run's
+    assert [[c.row for c in chunks] for chunks in steps] == \
+        [[0, 1, 2]] * 2 + [[0, 2]] * 3 + [[0]]
     layout = batch.StepLayout(num_tokens=8, max_num_seqs=4, pages_per_seq=5)
-    tables = [sched.allocator.table(c.seq.seq_id) for c in steps[0]]
+    tables = [sched.allocator.table(i) for i in range(3)]
     packed = torch.from_numpy(batch.build(steps[0], tables, layout, page_size=4, num_pages=64))
+    steps_left = torch.tensor(row_steps + [0], dtype=torch.int32)
+    first = layout.unpack(packed.numpy().copy())
     for chunks in steps[1:]:
-        packed = llama.next_decode_batch(layout, 4, packed)
-        np.testing.assert_array_equal(
-            packed.numpy(), batch.build(chunks, tables, layout, page_size=4, num_pages=64))
+        packed, steps_left = llama.next_decode_batch(layout, 4, packed, steps_left)
+        got = layout.unpack(packed.numpy())
+        host = layout.unpack(batch.build(chunks, [tables[c.row] for c in chunks], layout,
+                                         page_size=4, num_pages=64))
+        for i, chunk in enumerate(chunks):  # chunk i of the host's batch is row chunk.row
+            r = chunk.row
+            assert got["token_ids"][r] == host["token_ids"][i] == -1 - r
+            for name in ("positions", "slot_mapping", "kv_lens"):
+                assert got[name][r] == host[name][i], (name, r)
+        idle = sorted({0, 1, 2} - {c.row for c in chunks})
+        assert all(got["slot_mapping"][r] == -1 for r in idle)
+        assert (got["kv_lens"][idle] == first["kv_lens"][idle] + np.array(row_steps)[idle]
+                - 1).all()
+        for name in ("page_indices", "cu_q_lens", "num_seqs", "sample_rows"):
+            np.testing.assert_array_equal(got[name], first[name])
+        np.testing.assert_array_equal(got["slot_mapping"][3:], -1)  # padding writes nothing
 
 
 def test_token_buckets():

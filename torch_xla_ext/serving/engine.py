@@ -20,14 +20,15 @@ flight has that step's token dropped; one whose max_new_tokens-th token is in fl
 scheduled again. `async_scheduling=False` launches a step and waits for it in the same call.
 Either way each `step()` reports one step, in order, and the tokens are the same.
 
-Runs of decode steps (max_decode_steps > 1): when every running sequence only decodes and no
-request waits, up to max_decode_steps steps, and no more than any sequence has tokens left to
-generate, launch as one. The device computes each step's batch from the one before
-(llama.next_decode_batch) and feeds it the tokens it sampled; the host schedules the run's
-steps at once and reads their tokens back together. Nothing but an EOS token or an abort can
-end a sequence within the run, and those drop the tokens after them as they do for steps in
-flight, so the tokens are those of single steps. A request added meanwhile waits for the run
-to end (at most max_decode_steps - 1 steps later than otherwise).
+Runs of decode steps (max_decode_steps = K > 1): when every running sequence only decodes, no
+request waits, and some sequence has K tokens or more left to generate, K steps launch as one.
+The device computes each step's batch from the one before (llama.next_decode_batch) and feeds
+it the tokens it sampled; a sequence with fewer tokens left stops writing after its last and
+its row idles. The host schedules the run's steps at once and reads their tokens back
+together. Nothing but an EOS token or an abort can end a sequence within the run, and those
+drop the tokens after them as they do for steps in flight, so the tokens are those of single
+steps. A request added meanwhile waits for the run to end (at most K - 1 steps later than
+otherwise).
 
 Compiles: one per token bucket a step uses (buckets: batch.token_buckets, e.g. 16, 32, 64, 128,
 256 for max_num_batched_tokens=256), whatever the requests, since max_num_seqs and
@@ -92,8 +93,8 @@ class Engine:
         max_model_len tokens (default config.max_position_embeddings). with_logits: also
         return each new token's logits (StepOutput.logits), for comparisons. async_scheduling:
         launch the next step before waiting for the current one (module docstring).
-        max_decode_steps: up to this many decode steps in one launch when only decodes run
-        (module docstring); 1 launches every step alone."""
+        max_decode_steps: this many decode steps in one launch when only decodes run (module
+        docstring); 1 launches every step alone."""
         if backend not in backends.BACKENDS:
             raise TorchXlaExtError(f"Engine: argument 'backend': expected one of "
                                    f"{sorted(backends.BACKENDS)}, got {backend!r}")
@@ -173,9 +174,10 @@ class Engine:
     def _launch(self):
         """Schedules, packs and launches a step, or a run of decode steps; None when nothing
         is left to schedule."""
-        num_steps = 0 if self.with_logits else self.scheduler.decode_steps(self.max_decode_steps)
-        if num_steps > 1:
-            steps = self.scheduler.schedule_decodes(num_steps)
+        run = (self.max_decode_steps > 1 and not self.with_logits
+               and self.scheduler.runs_decodes(self.max_decode_steps))
+        if run:
+            steps, row_steps = self.scheduler.schedule_decodes(self.max_decode_steps)
         else:
             steps = [self.scheduler.schedule()]
         chunks = steps[0]
@@ -187,10 +189,12 @@ class Engine:
             chunks, [self.allocator.table(c.seq.seq_id) for c in chunks], bucket,
             self.page_size, self.num_pages)
         donated = self.caches
-        if num_steps > 1:
+        if run:
+            steps_left = np.zeros(self.max_num_seqs, np.int32)
+            steps_left[:len(row_steps)] = row_steps
             (tokens, last), self.caches = self.backend.run_decodes(
-                self.shape, layout, self.page_size, self.max_decode_steps, num_steps,
-                self.weights, donated, packed, self._previous_tokens)
+                self.shape, layout, self.page_size, len(steps), self.weights, donated, packed,
+                steps_left, self._previous_tokens)
             outputs = [tokens]
             self._previous_tokens = last
         else:
@@ -198,7 +202,7 @@ class Engine:
                                                     self.weights, donated, packed,
                                                     self._previous_tokens)
             self._previous_tokens = outputs[0]
-        graph = (bucket, num_steps > 1)
+        graph = (bucket, run)
         launched = _Launched(self._launches, steps, bucket, graph not in self._graphs_used,
                              outputs, donated)
         self.buckets_used.add(bucket)
@@ -229,8 +233,8 @@ class Engine:
         if not self._unreported:
             self._read_back()
         done, index, chunks, token_ids, logits = self._unreported.popleft()
-        sampled = [(c.seq.seq_id, i) for i, c in enumerate(chunks) if c.takes_token]
-        finished = self.scheduler.update(chunks, token_ids[:len(chunks)])
+        sampled = [(c.seq.seq_id, c.row) for c in chunks if c.takes_token]
+        finished = self.scheduler.update(chunks, token_ids)
         out = StepOutput(
             step=done.step + index, num_seqs=len(chunks),
             num_tokens=sum(c.num_tokens for c in chunks),

@@ -156,26 +156,31 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     return ((token_ids, logits.float()) if with_logits else (token_ids,)), caches
 
 
-def next_decode_batch(layout, page_size, packed):
-    """The packed batch (batch.StepLayout `layout`) of the decode step after the one `packed`
-    describes, where every sequence runs one token (row i is sequence i): each sequence's token
-    is the one this step samples for it (placeholder -1 - i: previous_tokens[i] of the next
-    step), one position further, written into the slot its block table gives for that position
-    (the scheduler gave it the page), one more token in its cache. Padding rows, block tables,
-    cu_q_lens, num_seqs and sample_rows stay as they are."""
+def next_decode_batch(layout, page_size, packed, steps_left):
+    """(The packed batch of the next decode step, steps_left - 1), for a run of decode steps
+    on `packed` (batch.StepLayout `layout`), where row i is sequence i, one token each, and
+    steps_left[i] is how many steps of the run, from this one, sequence i runs. A sequence
+    with a step left runs, in the next step, the token this step samples for it (placeholder
+    -1 - i: previous_tokens[i] of the next step), one position further, written into the slot
+    its block table gives for that position (the scheduler gave it the page), one more token
+    in its cache. Any other row stays as it is but writes nothing (its step's token is not
+    used); so do padding rows, block tables, cu_q_lens, num_seqs and sample_rows."""
     arrays = layout.unpack(packed)
-    num_seqs = arrays["num_seqs"]
-    rows = torch.arange(layout.num_tokens, dtype=packed.dtype, device=packed.device)
-    decoding = rows < num_seqs
-    positions = arrays["positions"] + decoding.to(packed.dtype)
-    # Clamped: after a run's last step, the position past a sequence's pages is never used.
-    pages = arrays["page_indices"][rows.clamp(max=layout.max_num_seqs - 1),
-                                   (positions // page_size).clamp(max=layout.pages_per_seq - 1)]
+    steps_left = steps_left - 1
     seqs = torch.arange(layout.max_num_seqs, dtype=packed.dtype, device=packed.device)
+    runs = (seqs < arrays["num_seqs"]) & (steps_left > 0)
+    rows = torch.arange(layout.num_tokens, dtype=packed.dtype, device=packed.device)
+    row_seq = rows.clamp(max=layout.max_num_seqs - 1)
+    row_runs = (rows < layout.max_num_seqs) & runs[row_seq]
+    positions = arrays["positions"] + row_runs.to(packed.dtype)
+    # Clamped: past a sequence's last step its position may be past its pages; never used.
+    pages = arrays["page_indices"][row_seq,
+                                   (positions // page_size).clamp(max=layout.pages_per_seq - 1)]
     arrays.update(
-        token_ids=torch.where(decoding, -1 - rows, arrays["token_ids"]),
+        token_ids=torch.where(row_runs, -1 - rows, arrays["token_ids"]),
         positions=positions,
-        slot_mapping=torch.where(decoding, pages * page_size + positions % page_size,
-                                 arrays["slot_mapping"]),
-        kv_lens=arrays["kv_lens"] + (seqs < num_seqs).to(packed.dtype))
-    return torch.cat([arrays[name].reshape(-1) for name in layout.sizes])
+        slot_mapping=torch.where(row_runs, pages * page_size + positions % page_size,
+                                 torch.where(rows < arrays["num_seqs"], -1,
+                                             arrays["slot_mapping"])),
+        kv_lens=arrays["kv_lens"] + runs.to(packed.dtype))
+    return torch.cat([arrays[name].reshape(-1) for name in layout.sizes]), steps_left

@@ -72,12 +72,13 @@ class Sequence:
 class Chunk:
     """num_tokens tokens of `seq`, from position start, run in this step: token_ids (a pending
     one as its placeholder). `samples`: the chunk reaches the sequence's last token, so the
-    step's token for it is the next one."""
+    step's token for it is the next one, in row `row` of the step's sampled tokens."""
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
     token_ids: list
+    row: int
 
     @property
     def takes_token(self):
@@ -87,10 +88,15 @@ class Chunk:
         return self.samples and not self.seq.finish_reason
 
 
-def _chunk(seq, num_tokens):
+def _chunk(seq, num_tokens, row):
     start = seq.num_computed
     return Chunk(seq, start, num_tokens, start + num_tokens == seq.num_tokens,
-                 seq.tokens(start, start + num_tokens))
+                 seq.tokens(start, start + num_tokens), row)
+
+
+def _tokens_left(seq):
+    """Tokens the sequence may still sample beyond those it has or has pending."""
+    return seq.max_new_tokens - len(seq.output) - len(seq.pending_rows)
 
 
 class Scheduler:
@@ -140,7 +146,7 @@ class Scheduler:
     def schedule(self):
         """This step's chunks; the pages they write are given to their sequences, their tokens
         count as computed and their sampled tokens as pending (in row order: chunk i's token
-        is row i of the step's sampled tokens)."""
+        is row i of the step's sampled tokens, chunk i's `row`)."""
         budget = self.max_num_batched_tokens
         chunks = []
         for seq in self.running:
@@ -149,7 +155,7 @@ class Scheduler:
             if seq.last_token_pending:
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
-            chunks.append(_chunk(seq, n))
+            chunks.append(_chunk(seq, n, len(chunks)))
             budget -= n
         free = self.allocator.num_free - self._pages_promised()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -161,46 +167,59 @@ class Scheduler:
             self.running.append(seq)
             free -= pages
             n = min(len(seq.prompt), budget)
-            chunks.append(_chunk(seq, n))
+            chunks.append(_chunk(seq, n, len(chunks)))
             budget -= n
-        for row, chunk in enumerate(chunks):
-            self.allocator.grow(chunk.seq.seq_id, chunk.start + chunk.num_tokens)
-            chunk.seq.num_computed += chunk.num_tokens
-            if chunk.samples:
-                chunk.seq.pending_rows.append(row)
+        for chunk in chunks:
+            self._count_scheduled(chunk)
         return chunks
 
-    def decode_steps(self, max_steps):
-        """How many decode steps in a row the running sequences may take as one launch: 0
-        unless every running sequence has one token to run (a decode, or its prompt's last
-        token) and nothing waits to be admitted, else the most steps (at most max_steps) before any of them reaches its
-        max_new_tokens. Within them nothing can change on the host's side but an EOS token or an
-        abort, which `update` handles as for single steps (the tokens after it are dropped), so
-        the steps give the tokens single steps give."""
+    def _count_scheduled(self, chunk):
+        """The chunk's pages go to its sequence, its tokens count as computed and its sampled
+        token as pending."""
+        self.allocator.grow(chunk.seq.seq_id, chunk.start + chunk.num_tokens)
+        chunk.seq.num_computed += chunk.num_tokens
+        if chunk.samples:
+            chunk.seq.pending_rows.append(chunk.row)
+
+    def runs_decodes(self, num_steps):
+        """Whether the running sequences may take num_steps decode steps as one launch: every
+        one has one token to run (a decode, or its prompt's last token), no request waits to
+        be admitted, and one of them, at least, has num_steps tokens left to generate. Within
+        the run nothing can change on the host's side but an EOS token or an abort, which
+        `update` handles as for single steps (the tokens after it are dropped), so the run
+        gives the tokens single steps give."""
         if self.waiting or not self.running:
-            return 0
-        steps = max_steps
-        for seq in self.running:
-            if seq.num_tokens - seq.num_computed != 1:
-                return 0
-            steps = min(steps, seq.max_new_tokens - len(seq.output) - len(seq.pending_rows))
-        return max(steps, 0)
+            return False
+        if any(seq.num_tokens - seq.num_computed != 1 for seq in self.running):
+            return False
+        return max(_tokens_left(seq) for seq in self.running) >= num_steps
 
     def schedule_decodes(self, num_steps):
-        """The chunks of num_steps decode steps of every running sequence, launched as one
-        (`decode_steps` says how many may be): a list of each step's chunks, scheduled as
-        `schedule` would schedule them one after the other, so the pages hold every step's
-        tokens and each step's token is pending in the sequence's row."""
-        return [self.schedule() for _ in range(num_steps)]
+        """The chunks of a run of num_steps decode steps (`runs_decodes`): a list of each
+        step's chunks, and each row's steps (the first step's chunks in row order, each
+        sequence's row the same in every step). A sequence with fewer tokens left than
+        num_steps runs that many steps; later steps leave it out (its row idles)."""
+        first = [_chunk(seq, 1, row) for row, seq in enumerate(
+            s for s in self.running if not s.last_token_pending)]
+        row_steps = [min(_tokens_left(c.seq), num_steps) for c in first]
+        steps = []
+        for step in range(num_steps):
+            chunks = first if step == 0 else [
+                _chunk(c.seq, 1, c.row) for c in first if row_steps[c.row] > step]
+            for chunk in chunks:
+                self._count_scheduled(chunk)
+            steps.append(chunks)
+        return steps, row_steps
 
     def update(self, chunks, sampled):
         """Takes the sampled tokens of a step that `schedule()` returned `chunks` for (the
-        oldest step not yet updated); `sampled[i]` is the token sampled for chunks[i]. Returns
+        oldest step not yet updated); `sampled[chunk.row]` is the token sampled for a chunk. Returns
         the sequences that finished; their pages are free again. A token of a sequence that
         finished or was aborted since the step was scheduled is dropped."""
         finished = []
-        for chunk, token in zip(chunks, sampled):
+        for chunk in chunks:
             seq = chunk.seq
+            token = sampled[chunk.row]
             if chunk.samples:
                 seq.pending_rows.popleft()
             if not chunk.takes_token:
