@@ -154,7 +154,7 @@ def ours_decode(engine, batch, args, profile_steps, host, run):
     prefill_steps = -(-batch * args.context // engine.scheduler.max_num_batched_tokens) + 1
     for prompt in _prompts(batch, args.context, engine.shape.vocab_size, seed=batch):
         engine.add_request(prompt, max_new_tokens=prefill_steps + args.warmup + args.steps
-                           + (profile_steps + 1) * engine.max_decode_steps)
+                           + (profile_steps + 3) * engine.max_decode_steps)
     prefill_s = _run_prefill(engine)
     outs, seconds = _timed_steps(engine, args, host)
     assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs), \
