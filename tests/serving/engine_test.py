@@ -88,11 +88,12 @@ def test_the_synchronous_loop_gives_the_same_tokens(model, expected):
 
 def test_tied_embeddings_and_llama3_rope(expected):
     """A model whose lm_head is its embedding and whose rotary frequencies are llama3-scaled."""
-    config = dict(hf.TINY, tie_word_embeddings=True, rope_theta=None,
+    config = dict(hf.TINY, tie_word_embeddings=True,
                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64})
     tied = hf.random_model(config, seed=3)
+    assert tied.model.rotary_emb.rope_type == "llama3"
     tied_prompts = prompts(tied.config.vocab_size, seed=4)[:3]
     engine = Engine(tied, backend="torch_xla", **ENGINE_ARGS)
     assert "lm_head" not in engine.weights
