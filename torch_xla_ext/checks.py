@@ -21,8 +21,21 @@ def _fail(op, arg, expected, actual):
     raise TorchXlaExtError(f"{op}: argument '{arg}': expected {expected}, got {actual}")
 
 
+def _size(d):
+    """A dimension as an int. A symbolic one (a dim dynamo traces as dynamic, as vLLM marks
+    its token counts) is read as its example value without a guard: comparing it would
+    specialise the traced graph to that size, which dynamo refuses for a dim marked dynamic."""
+    if isinstance(d, int):
+        return d
+    if hasattr(d, "node"):  # torch.SymInt
+        from torch.fx.experimental.symbolic_shapes import hint_int
+
+        return hint_int(d)
+    return int(d)
+
+
 def _shape(x):
-    return [int(d) for d in x.shape]
+    return [_size(d) for d in x.shape]
 
 
 def _check_rank(op, arg, x, rank, layout):
