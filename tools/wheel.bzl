@@ -20,6 +20,8 @@ REQUIREMENTS = [
 # jax-cuda12-plugin[with-cuda]==0.7.1), or `'torch_xla_ext[gpu-cuda13]'`, CUDA 13 (0.76, adapted
 # by the shim; the libraries of jax-cuda13-plugin[with-cuda]==0.7.2).
 EXTRAS = {
+    # vLLM on XLA through torch_xla_ext.vllm_platform (its torch pin is ours).
+    "vllm": ["vllm==0.13.0"],
     "gpu": [
         "jax-cuda12-pjrt==0.7.1",
         "nvidia-cublas-cu12>=12.1.3.1",
@@ -59,6 +61,8 @@ ENTRY_POINTS = {
     "jax_plugins": ["xla_ext = torch_xla_ext.jax_plugin"],
     # torch_xla registers each at import, under the upper-cased name: PJRT_DEVICE=GPU.
     "torch_xla.plugins": ["gpu = torch_xla_ext.plugin:CudaPlugin"],
+    # vLLM asks each for its platform: ours where PJRT_DEVICE is CPU or GPU.
+    "vllm.platform_plugins": ["xla = torch_xla_ext.vllm_platform:register"],
 }
 
 def _py_wheel_impl(ctx):

@@ -9,12 +9,12 @@ import importlib.metadata
 import io
 import os
 import subprocess
-import sys
-import sysconfig
 import textwrap
 import zipfile
 
 import pytest
+
+from tests.build import fresh_venv
 
 WHEEL = glob.glob("torch_xla_ext-*.whl")
 
@@ -43,25 +43,9 @@ def test_wheel_name_tags_metadata_and_record():
             assert digest == "sha256=" + expected.decode() and int(size) == len(data)
 
 
-def _install_into_a_fresh_venv(tmp_path):
-    """A venv holding only the wheel; its (large) dependencies come from the project's venv
-    through a .pth file, and nothing is downloaded. Returns (python, site-packages)."""
-    venv = tmp_path / "venv"
-    base_python = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    with open(os.path.join(site, "project_deps.pth"), "w") as pth:
-        pth.write(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                    os.path.abspath(WHEEL[0])], check=True)
-    return python, site
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    return _install_into_a_fresh_venv(tmp_path_factory.mktemp("wheel"))
+    return fresh_venv.install(WHEEL[0], tmp_path_factory.mktemp("wheel"))
 
 
 def _run(args, cwd):

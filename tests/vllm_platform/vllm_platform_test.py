@@ -1,0 +1,199 @@
+"""vLLM itself on XLA's CPU through torch_xla_ext.vllm_platform, as a user runs it: the built
+wheel installed into a fresh venv (its entry point makes vLLM pick the platform; nothing else
+is set but PJRT_DEVICE=CPU), a tiny random Llama saved as a checkpoint, then
+
+- `vllm.LLM(...).generate` with prompt token ids: greedy tokens equal to transformers' and to
+  our Engine's, for more requests than max_num_seqs, of different lengths, one longer than
+  the step's token budget (chunked prefill); the step's optimised HLO holds our custom calls
+  (ragged attention, the KV write) and donates every layer's cache;
+- `vllm serve` answering OpenAI /v1/completions on loopback, from an HTTP client, with the same
+  tokens, streamed too, and vLLM's error for a bad request, after which it serves the next.
+"""
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tests.build import fresh_venv
+from tests.serving.common import PROMPT_LENS
+from torch_xla_ext.serving import Engine, hf
+
+WHEEL = glob.glob("torch_xla_ext-*.whl")
+MAX_TOKENS = 8
+# More requests (8) than max_num_seqs (4); the last is longer than the token budget (64).
+LIMITS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    return fresh_venv.install(WHEEL[0], tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, model): a tiny random Llama in float32, saved as transformers saves it."""
+    model = hf.random_model(hf.TINY, seed=0)
+    directory = str(tmp_path_factory.mktemp("tiny_llama"))
+    model.config.torch_dtype = torch.float32
+    model.save_pretrained(directory)
+    return directory, model
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    g = torch.Generator().manual_seed(7)
+    lens = PROMPT_LENS + [2, 100]
+    return [torch.randint(0, hf.TINY["vocab_size"], (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint, prompts):
+    _, model = checkpoint
+    return [hf.reference_generate(model, p, MAX_TOKENS)[0] for p in prompts]
+
+
+def _env(tmp_path, **extra):
+    """The environment a user's shell would have: PJRT_DEVICE=CPU, and vLLM's caches in a
+    temporary directory (no persistent XLA cache, no usage reports, nothing downloaded)."""
+    return dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH="", JAX_PLATFORMS="cpu",
+                VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"), VLLM_XLA_CACHE_PATH="",
+                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", **extra)
+
+
+_GENERATE = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+    directory, prompts, max_tokens, limits = json.loads(sys.argv[1])
+    llm = LLM(model=directory, dtype="float32", skip_tokenizer_init=True, **limits)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    print("RESULT", json.dumps({"platform": type(current_platform).__qualname__,
+                                "tokens": [list(o.outputs[0].token_ids) for o in outputs]}),
+          flush=True)
+""")
+
+
+def test_llm_generates_the_tokens_of_transformers_and_our_engine(installed, checkpoint, prompts,
+                                                                  expected, tmp_path):
+    python, _ = installed
+    directory, model = checkpoint
+    dump = tmp_path / "hlo"
+    result = subprocess.run(
+        [python, "-c", _GENERATE, json.dumps([directory, prompts, MAX_TOKENS, LIMITS])],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        env=_env(tmp_path, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    got, = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
+            if line.startswith("RESULT ")]
+    assert got["platform"] == "XlaPlatform"
+    assert got["tokens"] == expected
+    engine = Engine(model, backend="torchax", page_size=16, **LIMITS)
+    assert engine.generate(prompts, MAX_TOKENS) == expected
+
+    # vLLM's model step: our kernels in it, every layer's cache donated and none copied.
+    steps = [open(p).read() for p in glob.glob(str(dump / "*after_optimizations.txt"))]
+    steps = [m for m in steps if 'custom_call_target="xla_ext.ragged_paged_attention"' in m]
+    assert steps, "no compiled module calls xla_ext.ragged_paged_attention"
+    for module in steps:
+        assert 'custom_call_target="xla_ext.kv_cache_update_slices"' in module
+        header = module.splitlines()[0]
+        assert header.count("may-alias") >= hf.TINY["num_hidden_layers"], header
+        caches = {line.split("= ")[1].split(" ")[0] for line in module.splitlines()
+                  if 'custom_call_target="xla_ext.kv_cache_update_slices"' in line}
+        assert not [line for line in module.splitlines()
+                    if " copy(" in line and any(f"= {c}" in line for c in caches)]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(installed, checkpoint, tmp_path_factory):
+    """`vllm serve <checkpoint>` in the fresh venv, on a free loopback port; its base URL."""
+    import httpx
+
+    python, _ = installed
+    directory, _ = checkpoint
+    tmp = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    log = open(tmp / "server.log", "w")
+    # `vllm serve`: the console script's module, run by the fresh venv's Python.
+    process = subprocess.Popen(
+        [python, "-m", "vllm.entrypoints.cli.main", "serve", directory, "--dtype", "float32",
+         "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+         *[a for k, v in LIMITS.items() for a in ("--" + k.replace("_", "-"), str(v))]],
+        cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            if process.poll() is not None:
+                raise AssertionError("vllm serve exited:\n" + open(tmp / "server.log").read()[-6000:])
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, open(tmp / "server.log").read()[-6000:]
+            time.sleep(1)
+        yield url, directory
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def _completion(url, model, prompt, **fields):
+    import httpx
+
+    return httpx.post(url + "/v1/completions", timeout=300, json={
+        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **fields})
+
+
+def test_vllm_serve_answers_completions_with_the_same_tokens(server, prompts, expected):
+    url, model = server
+    for prompt, want in zip(prompts[:3], expected[:3]):
+        response = _completion(url, model, prompt)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == want
+
+
+def test_vllm_serve_streams_the_same_tokens(server, prompts, expected):
+    import httpx
+
+    url, model = server
+    tokens = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=300, json={
+            "model": model, "prompt": prompts[1], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                tokens += json.loads(line[len("data: "):])["choices"][0].get("token_ids") or []
+    assert tokens == expected[1]
+
+
+def test_a_bad_request_gets_vllms_error_and_the_next_is_served(server, prompts, expected):
+    url, model = server
+    out_of_vocabulary = _completion(url, model, [1, 2, hf.TINY["vocab_size"] + 5])
+    assert out_of_vocabulary.status_code == 400, out_of_vocabulary.text
+    assert "Token id 517 is out of vocabulary" in out_of_vocabulary.text
+    too_long = _completion(url, model, prompts[0], max_tokens=1000)
+    assert too_long.status_code == 400 and "maximum context length" in too_long.text, too_long.text
+    good = _completion(url, model, prompts[2])
+    assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == expected[2]

@@ -1,0 +1,89 @@
+"""XlaPlatform: vLLM's TpuPlatform on a non-TPU XLA device.
+
+It keeps TpuPlatform's identity (PlatformEnum.TPU, device type "tpu"), so that every place in
+vLLM that asks `current_platform.is_tpu()` takes its torch_xla path: the TPU worker and model
+runner, the Pallas attention backend (whose torch.ops.xla.ragged_paged_attention runs ours off
+TPUs: torch_xla_ops.py), XLA sampling. What differs:
+
+- vllm/platforms/tpu.py imports `tpu_info` (TPU chip queries) when it is imported; a stand-in
+  module that raises if it is ever used takes its place where the package is missing;
+- the device's name comes from torch_xla, not tpu_info, and there is no torch.tpu to set a
+  device on;
+- the model keeps the dtype it is given (TpuPlatform turns float16 and float32 into bfloat16);
+- the worker is worker.XlaWorker;
+- a prompt's token ids are checked against the model's vocabulary. vLLM checks them only
+  against a tokenizer, and with `skip_tokenizer_init` has none; an XLA gather clamps an index
+  out of range, so such a prompt would run on the wrong embeddings instead of failing.
+"""
+
+import sys
+import types
+
+
+def _stand_in_for_tpu_info():
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("tpu_info: TPU chip information is not available on a non-TPU "
+                           "XLA device")
+
+    package = types.ModuleType("tpu_info")
+    package.device = types.ModuleType("tpu_info.device")
+    package.metrics = types.ModuleType("tpu_info.metrics")
+    package.device.get_local_chips = unavailable
+    package.metrics.get_chip_usage = unavailable
+    sys.modules.update({"tpu_info": package, "tpu_info.device": package.device,
+                        "tpu_info.metrics": package.metrics})
+
+
+try:
+    import tpu_info  # noqa: F401
+except ImportError:
+    _stand_in_for_tpu_info()
+
+from vllm.logger import init_logger  # noqa: E402
+from vllm.platforms.tpu import TpuPlatform  # noqa: E402
+
+logger = init_logger(__name__)
+
+WORKER = "torch_xla_ext.vllm_platform.worker.XlaWorker"
+
+
+class XlaPlatform(TpuPlatform):
+    vocab_size = None  # the model's, once a config is checked in this process
+
+    @classmethod
+    def get_device_name(cls, device_id=0):
+        from torch_xla import runtime
+
+        return f"XLA {runtime.device_type()}"
+
+    @classmethod
+    def set_device(cls, device):
+        pass  # one XLA device per worker process, torch_xla's own
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config):
+        model_config = vllm_config.model_config
+        dtype = model_config.dtype if model_config is not None else None
+        from torch_xla_ext.vllm_platform import kv_cache_update
+
+        kv_cache_update.serve()  # TpuPlatform's check imports the Pallas backend
+        super().check_and_update_config(vllm_config)
+        if dtype is not None and model_config.dtype != dtype:
+            logger.info("XLA platform: keeping dtype %s (TpuPlatform's is bfloat16)", dtype)
+            model_config.dtype = dtype
+        if model_config is not None:
+            cls.vocab_size = model_config.get_vocab_size()
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls in ("auto", "vllm.v1.worker.tpu_worker.TPUWorker"):
+            parallel.worker_cls = WORKER
+
+    @classmethod
+    def validate_request(cls, prompt, params, processed_inputs):
+        super().validate_request(prompt, params, processed_inputs)
+        ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) \
+            else None
+        if ids and cls.vocab_size is not None:
+            bad = next((t for t in ids if not 0 <= t < cls.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"Token id {bad} is out of vocabulary: the model's token ids "
+                                 f"are 0 ... {cls.vocab_size - 1}")

@@ -1,0 +1,60 @@
+"""XlaWorker: vLLM's TPUWorker on a non-TPU XLA device, and vLLM's KV-cache write on our op.
+
+The worker differs from TPUWorker in:
+- `init_device`: TPUWorker's, without setting PJRT_DEVICE=TPU and libtpu's flags, and without
+  the usage report (which asks tpu_info for the chip); on the CPU, dynamo's symbolic-shape
+  guards stay in Python (torch 2.9 builds them as C++ with a compiler run per graph, seconds
+  each, for guards that check a few sizes);
+- `determine_available_memory` on the CPU: XLA's CPU client keeps no allocator statistics
+  (xm.get_memory_info fails there), so the KV cache is what vLLM's `kv_cache_memory_bytes`
+  says, else enough for max_num_seqs sequences of max_model_len tokens. On a GPU, TPUWorker's
+  (a profile run, then the device's memory statistics).
+"""
+
+import os
+
+import torch
+
+from torch_xla_ext.vllm_platform import kv_cache_update, platform  # noqa: F401  (tpu_info)
+
+kv_cache_update.serve()  # before TPUWorker's import of the model runner imports pallas.py
+
+import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+import vllm.envs as envs  # noqa: E402
+from vllm.model_executor import set_random_seed  # noqa: E402
+from vllm.utils.math_utils import cdiv  # noqa: E402
+from vllm.v1.worker.tpu_model_runner import TPUModelRunner  # noqa: E402
+from vllm.v1.worker.tpu_worker import TPUWorker  # noqa: E402
+
+
+class XlaWorker(TPUWorker):
+
+    def init_device(self):
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(self.model_config.dtype)
+        self._init_tpu_worker_distributed_environment(
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank)
+        self.device = xm.xla_device()
+        self.device_config.device = self.device
+        set_random_seed(self.model_config.seed)
+        xm.set_rng_state(self.model_config.seed, self.device)
+        torch._dynamo.config.cache_size_limit = 128  # as TPUWorker: a graph per padded shape
+        if xr.device_type() == "CPU":
+            torch._dynamo.config.enable_cpp_symbolic_shape_guards = False
+        if envs.VLLM_XLA_CACHE_PATH:  # per device type, rank and world size
+            xr.initialize_cache(os.path.join(
+                envs.VLLM_XLA_CACHE_PATH, f"{xr.device_type()}_tp"
+                f"{self.parallel_config.world_size}_rank{xr.global_ordinal()}"), readonly=False)
+        self.model_runner = TPUModelRunner(self.vllm_config, self.device,
+                                           self.original_parallel_config)
+
+    def determine_available_memory(self):
+        if xr.device_type() != "CPU":
+            return super().determine_available_memory()
+        if self.cache_config.kv_cache_memory_bytes:
+            return int(self.cache_config.kv_cache_memory_bytes)
+        specs = self.model_runner.get_kv_cache_spec().values()
+        blocks = self.scheduler_config.max_num_seqs * cdiv(self.model_config.max_model_len,
+                                                            self.cache_config.block_size)
+        return blocks * sum(spec.page_size_bytes for spec in specs)
