@@ -25,6 +25,7 @@ import types
 import numpy as np
 import torch
 
+from torch_xla_ext.errors import TorchXlaExtError
 from torch_xla_ext.serving import llama
 
 
@@ -48,7 +49,12 @@ def _compiled(fn):
 class TorchXlaBackend:
     name = "torch_xla"
 
-    def __init__(self):
+    def __init__(self, tensor_parallel_size=1):
+        if tensor_parallel_size != 1:
+            raise TorchXlaExtError(f"Engine: argument 'tensor_parallel_size': the torch_xla "
+                                   f"backend runs on one device; expected 1, got "
+                                   f"{tensor_parallel_size} (backend='torchax' splits the model "
+                                   "over several)")
         import torch_xla
 
         import torch_xla_ext  # noqa: F401  (registers our ops and kernels)
@@ -134,29 +140,55 @@ class TorchXlaBackend:
             return [o.cpu().numpy() for o in outputs]
 
 
+# How each weight of a layer splits over the tensor parallel devices (mesh axis "tp"): the
+# q/k/v and gate/up projections by output rows (llama.weights_from_hf groups them shard by
+# shard), o and down by input columns (their products are summed over the devices: XLA's
+# all-reduce); the rest is replicated. The caches split over kv heads (dimension 2).
+_LAYER_SPLITS = {"qkv": ("tp",), "qkv_bias": ("tp",), "gate_up": ("tp",),
+                 "gate_up_bias": ("tp",), "o": (None, "tp"), "down": (None, "tp")}
+_CACHE_SPLIT = (None, None, "tp", None)
+
+
 class TorchaxBackend:
     name = "torchax"
 
-    def __init__(self):
+    def __init__(self, tensor_parallel_size=1):
+        import jax
+
         import torch_xla_ext.torchax_ops  # noqa: F401  (before torchax's environment exists)
         import torchax
 
+        devices = jax.devices()
+        if not 1 <= tensor_parallel_size <= len(devices):
+            raise TorchXlaExtError(f"Engine: argument 'tensor_parallel_size': expected 1 ... "
+                                   f"{len(devices)} (the {devices[0].platform} devices JAX "
+                                   f"sees), got {tensor_parallel_size}")
+        self.mesh = jax.sharding.Mesh(devices[:tensor_parallel_size], ("tp",))
         self.env = torchax.default_env()
         self._steps = {}  # (shape, layout, with_logits) -> the jitted step
 
     @property
     def device(self):
-        import jax
-
-        return jax.devices()[0]
+        return self.mesh.devices.flat[0]
 
     def put(self, weights, cache_shapes, cache_dtype):
-        """(weights, caches) as JAX arrays on the device (a pytree of them, and a list)."""
+        """(weights, caches) as JAX arrays on the mesh (a pytree of them, and a list), split
+        for tensor parallelism (_LAYER_SPLITS) where the mesh has several devices."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        def placed(array, split=()):
+            return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec(*split)))
+
         weights = _map(lambda t: t.cpu(), weights)  # outside the environment: torch's own .cpu()
         with self.env:
             weights = _map(lambda t: t.to("jax").jax(), weights)
-            caches = [torch.zeros(s, dtype=cache_dtype, device="jax").jax()
+            caches = [placed(torch.zeros(s, dtype=cache_dtype, device="jax").jax(), _CACHE_SPLIT)
                       for s in cache_shapes]
+        layers = [{name: None if w is None else placed(w, _LAYER_SPLITS.get(name, ()))
+                   for name, w in layer.items()} for layer in weights["layers"]]
+        weights = {name: layers if name == "layers" else placed(w)
+                   for name, w in weights.items()}
         return weights, caches
 
     def tokens(self, count):

@@ -87,19 +87,26 @@ class Engine:
     def __init__(self, model, *, backend="torch_xla", dtype=None, page_size=16, num_pages=None,
                  max_num_seqs=8, max_num_batched_tokens=256, max_model_len=None,
                  smallest_bucket=16, with_logits=False, async_scheduling=True,
-                 max_decode_steps=1):
+                 max_decode_steps=1, tensor_parallel_size=1):
         """`model`: a transformers LlamaForCausalLM (its weights are copied to the device in
         `dtype`, default the model's). num_pages: default enough for max_num_seqs sequences of
         max_model_len tokens (default config.max_position_embeddings). with_logits: also
         return each new token's logits (StepOutput.logits), for comparisons. async_scheduling:
         launch the next step before waiting for the current one (module docstring).
         max_decode_steps: this many decode steps in one launch when only decodes run (module
-        docstring); 1 launches every step alone."""
+        docstring); 1 launches every step alone. tensor_parallel_size: the devices the model
+        is split over (vLLM's name; torchax backend): heads and MLP rows per device, caches by
+        kv heads, an all-reduce after attention and after the MLP of each layer."""
         if backend not in backends.BACKENDS:
             raise TorchXlaExtError(f"Engine: argument 'backend': expected one of "
                                    f"{sorted(backends.BACKENDS)}, got {backend!r}")
         max_model_len = max_model_len or model.config.max_position_embeddings
-        self.shape, host_weights = llama.weights_from_hf(model, dtype, max_model_len)
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+            raise TorchXlaExtError(f"Engine: argument 'tensor_parallel_size': expected a "
+                                   f"positive integer, got {tensor_parallel_size!r}")
+        self.backend = backends.BACKENDS[backend](tensor_parallel_size)
+        self.shape, host_weights = llama.weights_from_hf(model, dtype, max_model_len,
+                                                         tensor_parallel_size)
         self.page_size = page_size
         pages_per_seq = -(-max_model_len // page_size)
         self.num_pages = num_pages or max_num_seqs * pages_per_seq
@@ -117,7 +124,6 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
                                    max_model_len)
         self.host_batch = batch.HostBatch(self.buckets, max_num_seqs, pages_per_seq)
-        self.backend = backends.BACKENDS[backend]()
         cache_shape = (self.num_pages, page_size, 2 * self.shape.num_kv_heads,
                        self.shape.head_dim)
         self.weights, self.caches = self.backend.put(

@@ -31,17 +31,22 @@ class LlamaShape:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
+    # Tensor parallel shards: the q/k/v and gate/up rows are grouped shard by shard (each
+    # shard's q, k and v rows, then the next's), so that splitting them into `shards` equal
+    # pieces gives each device whole heads and its own gate and up rows (weights_from_hf).
+    shards: int = 1
 
     @property
     def sm_scale(self):
         return self.head_dim ** -0.5
 
 
-def weights_from_hf(model, dtype=None, max_model_len=None):
+def weights_from_hf(model, dtype=None, max_model_len=None, shards=1):
     """(LlamaShape, weights): the weights of a transformers LlamaForCausalLM as a nested dict of
     CPU tensors in `dtype` (default: the model's), with rotary cos/sin tables for positions
     0 ... max_model_len - 1 (default: config.max_position_embeddings), computed as transformers
-    computes them (float32, then scaled and cast)."""
+    computes them (float32, then scaled and cast); q/k/v and gate/up rows grouped for `shards`
+    tensor parallel shards (LlamaShape.shards)."""
     config = model.config
     if getattr(config, "model_type", None) != "llama":
         raise TorchXlaExtError(f"weights_from_hf: argument 'model': expected a Llama model "
@@ -60,7 +65,13 @@ def weights_from_hf(model, dtype=None, max_model_len=None):
     shape = LlamaShape(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
                        num_heads=config.num_attention_heads,
                        num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
-                       vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps))
+                       vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps),
+                       shards=shards)
+    for name, count in (("num_key_value_heads", shape.num_kv_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if count % shards:
+            raise TorchXlaExtError(f"tensor_parallel_size: expected a divisor of the model's "
+                                   f"{name} = {count}, got {shards}")
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -68,7 +79,9 @@ def weights_from_hf(model, dtype=None, max_model_len=None):
         return state[name].to(dtype).contiguous()
 
     def cat(*names):
-        return torch.cat([get(n) for n in names]).contiguous()
+        """The tensors' rows, shard by shard: shard i's rows of each, then shard i + 1's."""
+        pieces = [get(n).chunk(shards) for n in names]
+        return torch.cat([p[i] for i in range(shards) for p in pieces]).contiguous()
 
     def bias(*names):
         return cat(*names) if all(n in state for n in names) else None
@@ -130,6 +143,7 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     with_logits), caches)."""
     inputs = layout.unpack(packed)
     t, h, kvh, d = layout.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    n = shape.shards
     positions = inputs["positions"]
     cos, sin = weights["rope_cos"][positions], weights["rope_sin"][positions]
     token_ids = inputs["token_ids"]
@@ -137,8 +151,8 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     x = F.embedding(torch.where(token_ids >= 0, token_ids, fed_back), weights["embed"])
     for layer, cache in zip(weights["layers"], caches):
         qkv = F.linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
-                       layer["qkv_bias"])
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+                       layer["qkv_bias"]).reshape(t, n, -1)  # shard by shard (LlamaShape.shards)
+        q, k, v = qkv.split([h // n * d, kvh // n * d, kvh // n * d], dim=-1)
         q = _rotate(q.reshape(t, h, d), cos, sin)
         k = _rotate(k.reshape(t, kvh, d), cos, sin)
         torch.ops.xla_ext.kv_cache_update(k, v.reshape(t, kvh, d), cache,
@@ -148,8 +162,8 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
             inputs["num_seqs"], sm_scale=shape.sm_scale)
         x = x + F.linear(attn.reshape(t, h * d), layer["o"], layer["o_bias"])
         gate, up = F.linear(_rms_norm(x, layer["post_norm"], shape.rms_norm_eps),
-                            layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer["down"], layer["down_bias"])
+                            layer["gate_up"], layer["gate_up_bias"]).reshape(t, n, 2, -1).unbind(2)
+        x = x + F.linear((F.silu(gate) * up).reshape(t, -1), layer["down"], layer["down_bias"])
     last = _rms_norm(x[inputs["sample_rows"]], weights["norm"], shape.rms_norm_eps)
     logits = F.linear(last, weights.get("lm_head", weights["embed"]))
     token_ids = logits.argmax(dim=-1).to(torch.int32)
