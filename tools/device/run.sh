@@ -36,6 +36,8 @@
 #   serving_flags: bench/serving_bench.py --impls ours again with XLA_FLAGS=$SERVING_XLA_FLAGS
 #             (e.g. --xla_gpu_enable_triton_gemm=false), to set beside the serving phase's rows
 #             of the same lease -> <gpu>-serving-flags.json
+#   tp:       the serving engine with tensor_parallel_size 1 and 2 (TP_SIZES), 8B- and 1B-class
+#             models, per-GPU traces -> <gpu>-serving-{8b,1b}-tp{1,2}.json (GPU=h100x2 on two)
 #   tp2:      bench/tp_bench.py --tp 2 (needs two GPUs): one decoder layer's serving step with
 #             heads split over 2 GPUs against 1 GPU, step times and the collective share
 #             -> <gpu>-tp2.json
@@ -61,6 +63,8 @@ GPU="${GPU:-h100}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off in NCCL, torch and NVSHMEM, as the lent multi-GPU machines require.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -156,10 +160,28 @@ if [[ $PHASE == decode ]]; then
   exit $status
 fi
 
+if [[ $PHASE == tp ]]; then
+  # The serving engine split over TP_SIZES GPUs (default 1 2), one process per size: the
+  # 8B-class model at B=1 and B=64, the 1B-class one at B=1, decode steps at 2k contexts
+  # (async, and runs of 8 decode steps), each with its per-GPU trace (busy, in NCCL, idle).
+  for tp in ${TP_SIZES:-1 2}; do
+    for model in 8b 1b; do
+      batches=$([[ $model == 8b ]] && echo 1,64 || echo 1)
+      step "serving engine, ${model} model, TP=$tp: bench/serving_bench.py"
+      timeout 540 python3 bench/serving_bench.py --config "$model" --impls ours --no-mixed \
+        --batches "$batches" --modes async,runs --steps 24 --tensor-parallel-size "$tp" \
+        --out "$OUT/$GPU-serving-$model-tp$tp.json" 2>&1 | grep -v -i warn | \
+        grep -E "tokens/s|wrote|Error" | tee -a "$TESTS"
+      [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
+  done
+  step "done, status $status"
+  exit $status
+fi
+
 if [[ $PHASE == tp1 || $PHASE == tp2 ]]; then
   step "tensor parallel over heads, ${PHASE#tp} GPU(s): bench/tp_bench.py"
-  # NCCL's NVLink multicast (NVLS) stays off, as the lent multi-GPU machines require.
-  NCCL_NVLS_ENABLE=0 python3 bench/tp_bench.py --tp "${PHASE#tp}" --out "$OUT/$GPU-$PHASE.json" \
+  python3 bench/tp_bench.py --tp "${PHASE#tp}" --out "$OUT/$GPU-$PHASE.json" \
     2>&1 | tail -12 | tee -a "$TESTS"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   step "done, status $status"

@@ -28,6 +28,16 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                  "original_max_position_embeddings": 8192})
 
 
+# An 8B-class Llama (Llama 3.1 8B's sizes and rotary scaling) for the tensor parallel
+# benchmark.
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192})
+
+
 def _transformers():
     return import_dependency("transformers", "torch_xla_ext.serving", TRANSFORMERS_INSTALL)
 
