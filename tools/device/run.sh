@@ -163,13 +163,14 @@ fi
 if [[ $PHASE == tp ]]; then
   # The serving engine split over TP_SIZES GPUs (default 1 2), one process per size: the
   # 8B-class model at B=1 and B=64, the 1B-class one at B=1, decode steps at 2k contexts
-  # (async, and runs of 8 decode steps), each with its per-GPU trace (busy, in NCCL, idle).
+  # (runs of 8 decode steps; TP_MODES=async,runs adds single steps), each with its per-GPU
+  # trace (busy, in NCCL, idle).
   for tp in ${TP_SIZES:-1 2}; do
     for model in 8b 1b; do
       batches=$([[ $model == 8b ]] && echo 1,64 || echo 1)
       step "serving engine, ${model} model, TP=$tp: bench/serving_bench.py"
       timeout 540 python3 bench/serving_bench.py --config "$model" --impls ours --no-mixed \
-        --batches "$batches" --modes async,runs --steps 24 --tensor-parallel-size "$tp" \
+        --batches "$batches" --modes "${TP_MODES:-runs}" --steps 24 --tensor-parallel-size "$tp" \
         --out "$OUT/$GPU-serving-$model-tp$tp.json" 2>&1 | grep -v -i warn | \
         grep -E "tokens/s|wrote|Error" | tee -a "$TESTS"
       [[ ${PIPESTATUS[0]} == 0 ]] || status=1
