@@ -73,6 +73,7 @@ TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == decode ]] && TESTS="$OUT/$GPU-decode-tests.txt"
 [[ $PHASE == ragged ]] && TESTS="$OUT/$GPU-ragged-tests.txt"
 [[ $PHASE == serving || $PHASE == serving_flags ]] && TESTS="$OUT/$GPU-serving-summary.txt"
+[[ $PHASE == tp ]] && TESTS="$OUT/$GPU-serving-tp-summary.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
   SANITIZERS=("$@")
