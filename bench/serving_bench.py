@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -261,12 +262,17 @@ def _busy_us(events):
     return busy
 
 
+# Collective kernels: NCCL's, and XLA's own all-reduce (e.g. "all_reduce_32_fusion_1", which
+# it runs instead of NCCL for small buffers between GPUs of one host).
+COLLECTIVE_KERNEL = re.compile(r"nccl|all[_-]reduce|all[_-]gather|reduce[_-]scatter", re.I)
+
+
 def _device_summary(events, num_steps):
     """One GPU's share of a multi-GPU trace, per step: its span (first start to last end), the
-    time it is busy, in collectives (NCCL kernels) and idle within the span."""
+    time it is busy, in collectives (COLLECTIVE_KERNEL) and idle within the span."""
     span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
     busy = _busy_us(events)
-    collective = _busy_us([e for e in events if "nccl" in e.name.lower()])
+    collective = _busy_us([e for e in events if COLLECTIVE_KERNEL.search(e.name)])
     return {"span_us": round(span / num_steps, 1), "busy_us": round(busy / num_steps, 1),
             "collective_us": round(collective / num_steps, 1),
             "idle_us": round((span - busy) / num_steps, 1)}
@@ -323,6 +329,14 @@ def _device_name(args):
     return torch.cuda.get_device_name() if args.device == "cuda" else args.device
 
 
+def _measures_gpu(args):
+    """Whether the run traces the GPU and measures its copy bandwidth: our engine through
+    torchax on a machine with torch's CUDA, wherever the model was made (--device cpu keeps
+    the transformers model off the GPU, as the 8B one at TP=2 must be: it left GPU 0 short of
+    memory)."""
+    return args.backend == "torchax" and torch.cuda.is_available()
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -372,7 +386,7 @@ def main():
               "device": _device_name(args),
               "context": args.context, "steps": args.steps,
               "tensor_parallel_size": args.tensor_parallel_size, "rows": [], "errors": [],
-              "copy_gbps": copy_gbps() if "ours" in impls and args.device == "cuda" else None,
+              "copy_gbps": copy_gbps() if "ours" in impls and _measures_gpu(args) else None,
               "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if result["copy_gbps"]:
         print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + written)", flush=True)
@@ -445,7 +459,7 @@ def run_ours(model, batches, args, result, record):
     # head; its rows for the step's tokens are next to nothing).
     run = {"copy_gbps": result["copy_gbps"], "shards": args.tensor_parallel_size,
            "weight_bytes": sum(p.numel() * 2 for p in model.parameters())}
-    profiled = args.profile_steps if args.device == "cuda" and args.backend == "torchax" else 0
+    profiled = args.profile_steps if _measures_gpu(args) else 0
     for batch in batches:
         modes = {"sync": (False, 1), "async": (True, 1), "runs": (True, args.max_decode_steps)}
         for mode, decode_steps in [modes[m] for m in args.modes.split(",")]:
