@@ -11,6 +11,9 @@ import contextlib
 
 from torch_xla_ext.errors import TorchXlaExtError
 
+# How the error of a step that failed on the device begins (both serving backends).
+STEP_FAILED = "the XLA step failed: "
+
 
 @contextlib.contextmanager
 def failures_reported():
@@ -25,7 +28,7 @@ def failures_reported():
             xm.wait_device_ops()  # raises torch_xla's stored copy of the error once, then drops it
         except RuntimeError:
             pass
-        raise TorchXlaExtError(f"the XLA step failed: {e}") from e
+        raise TorchXlaExtError(f"{STEP_FAILED}{e}") from e
 
 
 def sync():

@@ -19,6 +19,7 @@ device as the next step's `previous_tokens`.
              GPU, XLA GPU runs our CUDA handlers.
 """
 
+import contextlib
 import functools
 import types
 
@@ -27,6 +28,7 @@ import torch
 
 from torch_xla_ext.errors import TorchXlaExtError
 from torch_xla_ext.serving import llama
+from torch_xla_ext.step import STEP_FAILED, failures_reported
 
 
 def _map(fn, tree):
@@ -62,14 +64,21 @@ class TorchXlaBackend:
         self.device = torch_xla.device()
         self._steps = {}  # (shape, layout, with_logits) -> the compiled step
 
-    def put(self, weights, cache_shapes, cache_dtype):
-        """(weights, caches) on the device, materialised before the first step."""
+    def put(self, weights):
+        """The weights on the device, materialised before the first step."""
         import torch_xla_ext
 
         weights = _map(lambda t: t.to(self.device), weights)
-        caches = [torch.zeros(s, dtype=cache_dtype, device=self.device) for s in cache_shapes]
         torch_xla_ext.sync()
-        return weights, caches
+        return weights
+
+    def new_caches(self, shapes, dtype):
+        """Zeroed caches on the device, materialised."""
+        import torch_xla_ext
+
+        caches = [torch.zeros(s, dtype=dtype, device=self.device) for s in shapes]
+        torch_xla_ext.sync()
+        return caches
 
     def tokens(self, count):
         """`count` int32 zeros on the device: previous_tokens where no step came before. Sent
@@ -78,8 +87,6 @@ class TorchXlaBackend:
 
     def run(self, shape, layout, with_logits, weights, caches, packed, previous_tokens):
         """Launches a step; returns (its outputs on the device, the caches it writes)."""
-        from torch_xla_ext.step import failures_reported
-
         packed = torch.from_numpy(packed).to(self.device)
         with failures_reported():
             return self._step(shape, layout, with_logits)(weights, caches, packed,
@@ -105,8 +112,6 @@ class TorchXlaBackend:
         last step's), the caches). One compiled graph per step, launched num_steps times
         (torch_xla's dynamo bridge keeps no loop on the device), but the host neither
         schedules nor packs between the steps."""
-        from torch_xla_ext.step import failures_reported
-
         step = self._decode_step(shape, layout, page_size)
         packed = torch.from_numpy(packed).to(self.device)
         steps_left = torch.from_numpy(steps_left).to(self.device)
@@ -134,8 +139,6 @@ class TorchXlaBackend:
         return self._steps[key]
 
     def fetch(self, outputs):
-        from torch_xla_ext.step import failures_reported
-
         with failures_reported():
             return [o.cpu().numpy() for o in outputs]
 
@@ -171,30 +174,35 @@ class TorchaxBackend:
     def device(self):
         return self.mesh.devices.flat[0]
 
-    def put(self, weights, cache_shapes, cache_dtype):
-        """(weights, caches) as JAX arrays on the mesh (a pytree of them, and a list), split
-        for tensor parallelism (_LAYER_SPLITS) where the mesh has several devices."""
+    def _placed(self, array, split=()):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
-        def placed(array, split=()):
-            return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec(*split)))
+        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec(*split)))
 
+    def put(self, weights):
+        """The weights as JAX arrays on the mesh (a pytree of them), split for tensor
+        parallelism (_LAYER_SPLITS) where the mesh has several devices."""
         weights = _map(lambda t: t.cpu(), weights)  # outside the environment: torch's own .cpu()
         with self.env:
             weights = _map(lambda t: t.to("jax").jax(), weights)
-            caches = [placed(torch.zeros(s, dtype=cache_dtype, device="jax").jax(), _CACHE_SPLIT)
-                      for s in cache_shapes]
-        layers = [{name: None if w is None else placed(w, _LAYER_SPLITS.get(name, ()))
+        layers = [{name: None if w is None else self._placed(w, _LAYER_SPLITS.get(name, ()))
                    for name, w in layer.items()} for layer in weights["layers"]]
-        weights = {name: layers if name == "layers" else placed(w)
-                   for name, w in weights.items()}
-        return weights, caches
+        return {name: layers if name == "layers" else self._placed(w)
+                for name, w in weights.items()}
+
+    def new_caches(self, shapes, dtype):
+        """Zeroed caches on the mesh, split by kv heads (_CACHE_SPLIT)."""
+        with self.env:
+            return [self._placed(torch.zeros(s, dtype=dtype, device="jax").jax(), _CACHE_SPLIT)
+                    for s in shapes]
 
     def tokens(self, count):
+        """`count` int32 zeros replicated on the mesh, as a step's own tokens come out (the
+        first step's graph is the next ones')."""
         import jax.numpy as jnp
 
-        return jnp.zeros(count, jnp.int32)
+        return self._placed(jnp.zeros(count, jnp.int32))
 
     def _step(self, shape, layout, with_logits):
         key = (shape, layout, with_logits)
@@ -214,10 +222,11 @@ class TorchaxBackend:
         return self._steps[key]
 
     def run(self, shape, layout, with_logits, weights, caches, packed, previous_tokens):
-        outputs, caches = self._step(shape, layout, with_logits)(weights, caches, packed,
-                                                                 previous_tokens)
-        for output in outputs:  # on its way to the host while the next step is packed
-            output.copy_to_host_async()
+        with _step_failures():
+            outputs, caches = self._step(shape, layout, with_logits)(weights, caches, packed,
+                                                                     previous_tokens)
+            for output in outputs:  # on its way to the host while the next step is packed
+                output.copy_to_host_async()
         return outputs, caches
 
     def run_decodes(self, shape, layout, page_size, num_steps, weights, caches, packed,
@@ -226,9 +235,10 @@ class TorchaxBackend:
         executable. Its trip count is a constant, which XLA GPU runs without reading a loop
         condition back to the host at every step (with a count given as data, the launch
         waited for every step: 17.7 ms for 8 steps of the 1B model at B=1 on the H100)."""
-        (tokens, last), caches = self._decodes(shape, layout, page_size, num_steps)(
-            weights, caches, packed, steps_left, previous_tokens)
-        tokens.copy_to_host_async()
+        with _step_failures():
+            (tokens, last), caches = self._decodes(shape, layout, page_size, num_steps)(
+                weights, caches, packed, steps_left, previous_tokens)
+            tokens.copy_to_host_async()
         return (tokens, last), caches
 
     def _decodes(self, shape, layout, page_size, num_steps):
@@ -261,7 +271,20 @@ class TorchaxBackend:
         return self._steps[key]
 
     def fetch(self, outputs):
-        return [np.asarray(o) for o in outputs]
+        with _step_failures():
+            return [np.asarray(o) for o in outputs]
+
+
+@contextlib.contextmanager
+def _step_failures():
+    """JAX's runtime errors (a step that failed on the device, or one launched on its
+    results) as TorchXlaExtError, worded as torch_xla's (step.STEP_FAILED)."""
+    import jax
+
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        raise TorchXlaExtError(f"{STEP_FAILED}{e}") from e
 
 
 BACKENDS = {"torch_xla": TorchXlaBackend, "torchax": TorchaxBackend}

@@ -46,6 +46,7 @@ from torch_xla_ext.errors import TorchXlaExtError
 from torch_xla_ext.serving import backends, batch, llama
 from torch_xla_ext.serving.blocks import BlockAllocator
 from torch_xla_ext.serving.scheduler import Scheduler, Sequence
+from torch_xla_ext.step import STEP_FAILED
 
 
 @dataclasses.dataclass
@@ -61,6 +62,7 @@ class StepOutput:
     new_tokens: dict  # seq_id -> the token generated for it in this step
     finished: dict  # seq_id -> all its generated tokens, for those that finished
     logits: Optional[dict] = None  # seq_id -> float32 logits of the new token (with_logits)
+    failed: dict = dataclasses.field(default_factory=dict)  # seq_id -> the error that ended it
 
 
 def _is_token_id(value, vocab_size):
@@ -124,10 +126,11 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
                                    max_model_len)
         self.host_batch = batch.HostBatch(self.buckets, max_num_seqs, pages_per_seq)
-        cache_shape = (self.num_pages, page_size, 2 * self.shape.num_kv_heads,
-                       self.shape.head_dim)
-        self.weights, self.caches = self.backend.put(
-            host_weights, [cache_shape] * self.shape.num_layers, host_weights["embed"].dtype)
+        self._cache_shapes = [(self.num_pages, page_size, 2 * self.shape.num_kv_heads,
+                               self.shape.head_dim)] * self.shape.num_layers
+        self._cache_dtype = host_weights["embed"].dtype
+        self.weights = self.backend.put(host_weights)
+        self.caches = self.backend.new_caches(self._cache_shapes, self._cache_dtype)
         self._previous_tokens = self.backend.tokens(max_num_seqs)
         self._in_flight = None  # launched steps whose results are not read yet
         self._unreported = collections.deque()  # (chunks, tokens, logits) of read-back steps
@@ -231,13 +234,41 @@ class Engine:
             self._unreported.append((done, i, chunks, tokens[i],
                                      outputs[1] if self.with_logits else None))
 
+    def _fail_running(self, error):
+        """After a step failed on the device: every running sequence ends with the error (the
+        caches it wrote, donated to the step, are gone, and so is the K/V of every sequence in
+        them), the steps launched after it are dropped, and the engine starts again on new
+        caches. Waiting requests are untouched. Returns the StepOutput that reports it."""
+        failed = [s for s in list(self.scheduler.running)]
+        for seq in failed:
+            self.scheduler.abort(seq.seq_id, reason="error")
+        self._in_flight = None
+        self.caches = self.backend.new_caches(self._cache_shapes, self._cache_dtype)
+        self._previous_tokens = self.backend.tokens(self.max_num_seqs)
+        message = str(error)
+        out = StepOutput(step=self._launches, num_seqs=len(failed), num_tokens=0,
+                         num_prefill_tokens=0, bucket=0, first_use_of_bucket=False,
+                         seconds=0.0, new_tokens={}, finished={},
+                         failed={seq.seq_id: message for seq in failed})
+        self._steps += 1
+        return out
+
     def step(self):
         """Runs one step; returns what it did (StepOutput). With async scheduling, the step
         after it is launched first; of a run of decode steps, the first step() waits for all
-        and the others report what is already read back."""
+        and the others report what is already read back. A step that fails on the device
+        (an XLA runtime error: a kernel's handler refusing its data) ends every running
+        request with that error (StepOutput.failed) and the engine goes on with the rest."""
         start = time.perf_counter()
         if not self._unreported:
-            self._read_back()
+            try:
+                self._read_back()
+            except TorchXlaExtError as error:
+                if not str(error).startswith(STEP_FAILED):
+                    raise
+                out = self._fail_running(error)
+                out.seconds = time.perf_counter() - start
+                return out
         done, index, chunks, token_ids, logits = self._unreported.popleft()
         sampled = [(c.seq.seq_id, c.row) for c in chunks if c.takes_token]
         finished = self.scheduler.update(chunks, token_ids)
@@ -265,11 +296,11 @@ class Engine:
             raise TorchXlaExtError(f"generate: argument 'arrival_steps': expected one step per "
                                    f"prompt ({len(prompts)}), got {len(arrival_steps)}")
         order = list(np.argsort(arrival_steps, kind="stable"))
-        ids, outputs = {}, {}
+        ids, outputs, failed = {}, {}, {}
         first_step = self._steps
         while order or self.has_unfinished():
             while order and arrival_steps[order[0]] <= self._steps - first_step:
-                i = order.pop(0)
+                i = int(order.pop(0))
                 ids[self.add_request(prompts[i], max_new_tokens, eos_token_id)] = i
             if not self.has_unfinished():  # nothing has arrived yet: an idle step
                 self._steps += 1
@@ -278,6 +309,11 @@ class Engine:
             for seq_id, token in out.new_tokens.items():
                 if seq_id in ids:  # not a request added outside this call
                     outputs.setdefault(ids[seq_id], []).append(token)
+            failed.update({ids[i]: error for i, error in out.failed.items() if i in ids})
             if on_step:
                 on_step(out)
+        if failed:
+            first = min(failed)
+            raise TorchXlaExtError(f"generate: prompts {sorted(failed)} failed in a step on the "
+                                   f"device (the others ran to their end): {failed[first]}")
         return [outputs[i] for i in range(len(prompts))]

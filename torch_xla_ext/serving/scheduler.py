@@ -42,7 +42,7 @@ class Sequence:
     # Rows of the sampled tokens of scheduled steps not yet read back that hold this
     # sequence's next tokens, oldest first.
     pending_rows: collections.deque = dataclasses.field(default_factory=collections.deque)
-    finish_reason: Optional[str] = None  # "length", "eos" or "abort"
+    finish_reason: Optional[str] = None  # "length", "eos", "abort" or "error"
 
     @property
     def num_tokens(self):
@@ -236,15 +236,15 @@ class Scheduler:
             self.allocator.free(seq.seq_id)
         return finished
 
-    def abort(self, seq_id):
+    def abort(self, seq_id, reason="abort"):
         """Ends a waiting or running sequence now and frees its pages; returns it, or None if
         no such sequence is waiting or running. Tokens of it that steps in flight sample are
-        dropped by `update`."""
+        dropped by `update`. reason: its finish_reason ("error": a step it was in failed)."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.seq_id == seq_id:
                     queue.remove(seq)
-                    seq.finish_reason = "abort"
+                    seq.finish_reason = reason
                     self.allocator.free(seq_id)
                     return seq
         return None
