@@ -7,13 +7,17 @@ is set but PJRT_DEVICE=CPU), a tiny random Llama saved as a checkpoint, then
   the step's token budget (chunked prefill); the step's optimised HLO holds our custom calls
   (ragged attention, the KV write) and donates every layer's cache;
 - `vllm serve` answering OpenAI /v1/completions on loopback, from an HTTP client, with the same
-  tokens, streamed too, and vLLM's error for a bad request, after which it serves the next.
+  tokens, streamed too, and vLLM's error for a bad request, after which it serves the next;
+- the README's `vllm serve` line and `LLM` example, as written there (<checkpoint> filled in).
 """
 
 import glob
 import json
 import os
+import re
+import shlex
 import socket
+import sys
 import subprocess
 import textwrap
 import time
@@ -26,6 +30,7 @@ from tests.serving.common import PROMPT_LENS
 from torch_xla_ext.serving import Engine, hf
 
 WHEEL = glob.glob("torch_xla_ext-*.whl")
+README = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
 MAX_TOKENS = 8
 # More requests (8) than max_num_seqs (4); the last is longer than the token budget (64).
 LIMITS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
@@ -118,22 +123,45 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def test_the_readmes_llm_example(installed, checkpoint, tmp_path):
+    python, _ = installed
+    directory, model = checkpoint
+    example, = [b for b in re.findall(r"```python\n(.*?)```", README, re.S)
+                if b.startswith("from vllm import LLM")]
+    result = subprocess.run([python, "-c", example.replace("<checkpoint>", directory)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                            env=_env(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    printed = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    assert printed[-1] == str(hf.reference_generate(model, [1, 2, 3], 8)[0])
+
+
+def _readme_serve_command(directory):
+    """The README's `vllm serve` line, <checkpoint> filled in, without its PJRT_DEVICE=CPU
+    prefix (the environment gives it)."""
+    line, = [line for line in README.splitlines() if " vllm serve " in line]
+    words = shlex.split(line.replace("<checkpoint>", directory))
+    assert words[0] == "PJRT_DEVICE=CPU" and words[1:3] == ["vllm", "serve"], words
+    return words[1:]
+
+
 @pytest.fixture(scope="module")
 def server(installed, checkpoint, tmp_path_factory):
-    """`vllm serve <checkpoint>` in the fresh venv, on a free loopback port; its base URL."""
+    """The README's `vllm serve <checkpoint> ...`, on a free loopback port: vLLM's console
+    script, which finds the platform through the wheel installed in the fresh venv; its base
+    URL."""
     import httpx
 
-    python, _ = installed
+    _, site = installed
     directory, _ = checkpoint
     tmp = tmp_path_factory.mktemp("serve")
     port = _free_port()
     log = open(tmp / "server.log", "w")
-    # `vllm serve`: the console script's module, run by the fresh venv's Python.
+    command = _readme_serve_command(directory)
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")  # the project venv's script
     process = subprocess.Popen(
-        [python, "-m", "vllm.entrypoints.cli.main", "serve", directory, "--dtype", "float32",
-         "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-         *[a for k, v in LIMITS.items() for a in ("--" + k.replace("_", "-"), str(v))]],
-        cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp))
+        [vllm, *command[1:], "--host", "127.0.0.1", "--port", str(port)],
+        cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=dict(_env(tmp), PYTHONPATH=site))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     try:
