@@ -32,6 +32,10 @@ def test_wheel_name_tags_metadata_and_record():
         assert {"torch_xla_ext/lib/libxla_ext_kernels.so", "torch_xla_ext/lib/libxla_ext_torch.so",
                 "torch_xla_ext/__init__.py",
                 "torch_xla_ext/include/xla_ext/registry.h"} <= names
+        entry_points = wheel.read("torch_xla_ext-0.1.0.dist-info/entry_points.txt").decode()
+        assert "[vllm.platform_plugins]\nxla = torch_xla_ext.vllm_platform:register" in \
+            entry_points
+        assert 'Requires-Dist: vllm==0.13.0; extra == "vllm"' in metadata
         record = list(csv.reader(io.StringIO(
             wheel.read("torch_xla_ext-0.1.0.dist-info/RECORD").decode())))
         assert {row[0] for row in record} == names
