@@ -8,7 +8,7 @@ PJRT_DEVICE names: the CPU, or an NVIDIA GPU through torch_xla_ext's CUDA PJRT p
 
 vLLM asks every installed platform plugin whether it applies (`register()`); this one does
 when PJRT_DEVICE is CPU or GPU, and nothing else is needed. What it changes of vLLM's TPU
-platform, and why, is in platform.py and worker.py.
+platform, and why, is in xla_platform.py and worker.py.
 """
 
 import os
@@ -21,4 +21,4 @@ def register():
     """vLLM's platform plugin entry point: the platform's class name where it applies."""
     if os.environ.get("PJRT_DEVICE", "").upper() not in DEVICES:
         return None
-    return "torch_xla_ext.vllm_platform.platform.XlaPlatform"
+    return "torch_xla_ext.vllm_platform.xla_platform.XlaPlatform"

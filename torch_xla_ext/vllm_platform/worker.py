@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from torch_xla_ext.vllm_platform import kv_cache_update, platform  # noqa: F401  (tpu_info)
+from torch_xla_ext.vllm_platform import kv_cache_update, xla_platform  # noqa: F401  (tpu_info)
 
 kv_cache_update.serve()  # before TPUWorker's import of the model runner imports pallas.py
 
