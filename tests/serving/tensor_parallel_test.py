@@ -1,8 +1,8 @@
 """Engine(tensor_parallel_size=N) through torchax on JAX's CPU split into 4 devices: a tiny
 float32 Llama with 4 kv heads split over 2 and 4 devices gives the tokens of one device on the
 serving workload (arrivals, pages reused, async scheduling, runs of decode steps); each step
-runs our ops on each device's heads with 2 all-reduces per layer and nothing gathered, and the
-caches stay split by kv heads."""
+runs our ops on each device's heads with 2 all-reduces per layer and gathers nothing but each
+device's best token, and the caches stay split by kv heads."""
 
 import re
 import warnings
@@ -48,16 +48,31 @@ def test_tokens_equal_one_device(model, one_device, tensor_parallel_size, max_de
         assert len(cache.sharding.device_set) == tensor_parallel_size
 
 
-def test_a_step_all_reduces_twice_per_layer_and_gathers_nothing(model):
-    engine = Engine(model, backend="torchax", tensor_parallel_size=2, **ENGINE_ARGS)
-    engine.generate(prompts(model.config.vocab_size)[:2], 2)
+def _collectives(engine):
+    """(result type, kind) of each collective in the compiled step of the first bucket used."""
     (key, step), *_ = engine.backend._steps.items()
-    layout = key[1]
-    module = step.lower(engine.weights, engine.caches, np.zeros(layout.size, np.int32),
+    module = step.lower(engine.weights, engine.caches, np.zeros(key[1].size, np.int32),
                         engine._previous_tokens).compile().as_text()
-    collectives = re.findall(
-        r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(", module)
-    assert collectives == ["all-reduce"] * 2 * CONFIG["num_hidden_layers"], collectives
+    return re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                      r"collective-permute)\(", module)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_step_all_reduces_twice_per_layer_and_gathers_only_the_argmax(tied):
+    """The layers' two all-reduces of [tokens, hidden]; the head split by vocabulary, whose
+    argmax gathers each device's best value and index per sequence ([max_num_seqs, devices]);
+    a tied head's embedding split too: one more all-reduce, of the embedded tokens."""
+    model = hf.random_model(dict(CONFIG, tie_word_embeddings=tied), seed=0)
+    engine = Engine(model, backend="torchax", tensor_parallel_size=2, **ENGINE_ARGS)
+    requests = prompts(model.config.vocab_size)[:2]
+    want = [hf.reference_generate(model, p, 3)[0] for p in requests]
+    assert engine.generate(requests, 3) == want
+    assert tuple(engine.weights["embed" if tied else "lm_head"].sharding.spec) == ("tp",)
+    rows, hidden, seqs = 32, CONFIG["hidden_size"], ENGINE_ARGS["max_num_seqs"]
+    reduces = 2 * CONFIG["num_hidden_layers"] + tied
+    assert sorted(_collectives(engine)) == sorted(
+        [(f"f32[{rows},{hidden}]{{1,0}}", "all-reduce")] * reduces
+        + [(f"f32[{seqs},2]{{0,1}}", "all-gather"), (f"s32[{seqs},2]{{0,1}}", "all-gather")])
 
 
 def test_sizes_it_cannot_split_name_the_argument(model):

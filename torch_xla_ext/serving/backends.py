@@ -150,6 +150,11 @@ class TorchXlaBackend:
 _LAYER_SPLITS = {"qkv": ("tp",), "qkv_bias": ("tp",), "gate_up": ("tp",),
                  "gate_up_bias": ("tp",), "o": (None, "tp"), "down": (None, "tp")}
 _CACHE_SPLIT = (None, None, "tp", None)
+# The head splits by vocabulary rows: each device reads its share of it, and XLA's argmax over
+# the split logits gathers only each device's best (value, index) per sequence. A tied head is
+# the embedding, which then splits too (its row gather becomes one all-reduce of the step's
+# [tokens, hidden]); an untied embedding stays whole (a step reads only its tokens' rows).
+_VOCAB_SPLIT = ("tp",)
 
 
 class TorchaxBackend:
@@ -188,7 +193,10 @@ class TorchaxBackend:
             weights = _map(lambda t: t.to("jax").jax(), weights)
         layers = [{name: None if w is None else self._placed(w, _LAYER_SPLITS.get(name, ()))
                    for name, w in layer.items()} for layer in weights["layers"]]
-        return {name: layers if name == "layers" else self._placed(w)
+        head = "lm_head" if "lm_head" in weights else "embed"
+        splits = self.mesh.size > 1 and weights[head].shape[0] % self.mesh.size == 0
+        return {name: layers if name == "layers" else
+                self._placed(w, _VOCAB_SPLIT if name == head and splits else ())
                 for name, w in weights.items()}
 
     def new_caches(self, shapes, dtype):
