@@ -162,12 +162,13 @@ if [[ $PHASE == decode ]]; then
 fi
 
 if [[ $PHASE == tp ]]; then
-  # The serving engine split over TP_SIZES GPUs (default 1 2), one process per size: the
+  # The serving engine split over TP_SIZES GPUs (default 1 2), one process per size and model
+  # (TP_MODELS, default 8b 1b): the
   # 8B-class model at B=1 and B=64, the 1B-class one at B=1, decode steps at 2k contexts
   # (runs of 8 decode steps; TP_MODES=async,runs adds single steps), each with its per-GPU
   # trace (busy, in NCCL, idle).
   for tp in ${TP_SIZES:-1 2}; do
-    for model in 8b 1b; do
+    for model in ${TP_MODELS:-8b 1b}; do
       batches=$([[ $model == 8b ]] && echo 1,64 || echo 1)
       step "serving engine, ${model} model, TP=$tp: bench/serving_bench.py"
       # The transformers model is made on the CPU: on GPU 0 it took 16 GB the split 8B engine
