@@ -2,6 +2,14 @@
 kernel launched in this process: torch's, and those of JAX executables (tp_bench, the torchax
 serving loop); and the copy bandwidth the benchmarks set their rows beside."""
 
+import re
+
+
+# Collective kernels in a trace: NCCL's, and XLA's own (e.g. "all_reduce_32_fusion_1", which
+# XLA GPU runs instead of NCCL for small buffers between the GPUs of one host).
+COLLECTIVE_KERNEL = re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all|"
+                               r"collective", re.IGNORECASE)
+
 
 def gpu_events(run):
     """Calls run() under the profiler and returns the trace's device events (kernels, copies,

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402
 
-from gpu_trace import copy_gbps  # noqa: E402
+from gpu_trace import COLLECTIVE_KERNEL, copy_gbps  # noqa: E402
 from torch_xla_ext.serving import Engine, hf  # noqa: E402
 
 MIXED_DECODES, MIXED_PREFILLS, MIXED_BUDGET = 48, 16, 512
@@ -262,11 +261,6 @@ def _busy_us(events):
     return busy
 
 
-# Collective kernels: NCCL's, and XLA's own all-reduce (e.g. "all_reduce_32_fusion_1", which
-# it runs instead of NCCL for small buffers between GPUs of one host).
-COLLECTIVE_KERNEL = re.compile(r"nccl|all[_-]reduce|all[_-]gather|reduce[_-]scatter", re.I)
-
-
 def _device_summary(events, num_steps):
     """One GPU's share of a multi-GPU trace, per step: its span (first start to last end), the
     time it is busy, in collectives (COLLECTIVE_KERNEL) and idle within the span."""
@@ -457,7 +451,7 @@ def run_ours(model, batches, args, result, record):
     host = HostTimes(engine)
     # Bytes a step reads besides the K/V: every weight once (a tied embedding once, as the
     # head; its rows for the step's tokens are next to nothing).
-    run = {"copy_gbps": result["copy_gbps"], "shards": args.tensor_parallel_size,
+    run = {"copy_gbps": result["copy_gbps"],
            "weight_bytes": sum(p.numel() * 2 for p in model.parameters())}
     profiled = args.profile_steps if _measures_gpu(args) else 0
     for batch in batches:

@@ -46,8 +46,6 @@ FULL = dict(heads=32, kv_heads=8, head_size=128, ffn=14336, seqs=32, context=204
             dtype="bfloat16")
 SMALL = dict(heads=8, kv_heads=4, head_size=64, ffn=512, seqs=4, context=64, block=16,
              dtype="float32")
-COLLECTIVE_KERNEL = re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all|"
-                               r"collective", re.IGNORECASE)
 COLLECTIVE_HLO = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|"
                             r"reduce-scatter)(-start)?\(")
 
@@ -142,7 +140,7 @@ def time_steps(step, count):
 def trace_steps(step, count):
     """Per device, from a CUPTI trace of `count` steps: span (first kernel start to last end),
     kernel time and collective kernel time per step, in us, and the collective kernels seen."""
-    from gpu_trace import gpu_events
+    from gpu_trace import COLLECTIVE_KERNEL, gpu_events
 
     def steps():
         for _ in range(count):

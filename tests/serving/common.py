@@ -1,5 +1,6 @@
 """The workload the serving tests share: prompts of different lengths arriving at different
-steps, and an engine small enough that not all of them fit in the cache at once."""
+steps, and an engine small enough that not all of them fit in the cache at once; and a counter
+of the runs of decode steps an engine launches."""
 
 import torch
 
@@ -10,6 +11,18 @@ MAX_NEW_TOKENS = 10
 # 8 pages of 16 tokens: the requests need 12 at once, so pages must be freed and reused.
 ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=16, max_model_len=128,
                    num_pages=8)
+
+
+def count_runs(engine):
+    """A list that gets each run of decode steps' length as the engine launches it."""
+    runs, run_decodes = [], engine.backend.run_decodes
+
+    def counted(shape, layout, page_size, num_steps, *args):
+        runs.append(num_steps)
+        return run_decodes(shape, layout, page_size, num_steps, *args)
+
+    engine.backend.run_decodes = counted
+    return runs
 
 
 def prompts(vocab_size, seed=1):

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.serving.common import ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, prompts
+from tests.serving.common import ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, count_runs, prompts
 from torch_xla_ext.serving import Engine, hf
 
 @pytest.fixture(scope="module")
@@ -201,13 +201,7 @@ def test_runs_of_decode_steps_give_the_same_tokens(model):
     expected = [hf.reference_generate(model, p, new_tokens, eos)[0] for p in requests]
     engine = Engine(model, backend="torch_xla", max_decode_steps=4,
                     **dict(ENGINE_ARGS, num_pages=16))
-    runs, run_decodes = [], engine.backend.run_decodes
-
-    def counted(shape, layout, page_size, num_steps, *args):
-        runs.append(num_steps)
-        return run_decodes(shape, layout, page_size, num_steps, *args)
-
-    engine.backend.run_decodes = counted
+    runs = count_runs(engine)
     assert engine.generate(requests, new_tokens, ARRIVALS, eos_token_id=eos) == expected
     assert runs and set(runs) == {4}, runs
     assert engine.allocator.num_free == engine.num_pages

@@ -4,7 +4,7 @@ scheduling on and off, one compile per token bucket, and the caches donated to t
 
 import pytest
 
-from tests.serving.common import ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, prompts
+from tests.serving.common import ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, count_runs, prompts
 from torch_xla_ext.serving import Engine, hf
 
 
@@ -39,18 +39,6 @@ def test_tokens_equal_transformers_generate(compiles, async_scheduling):
     assert len(compiles) == before
 
 
-def _count_runs(engine):
-    """A list that gets each run of decode steps' length as the engine launches it."""
-    runs, run_decodes = [], engine.backend.run_decodes
-
-    def counted(shape, layout, page_size, num_steps, *args):
-        runs.append(num_steps)
-        return run_decodes(shape, layout, page_size, num_steps, *args)
-
-    engine.backend.run_decodes = counted
-    return runs
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_runs_of_decode_steps_give_the_same_tokens(compiles, async_scheduling):
     """max_decode_steps=4: the decodes between arrivals run 4 steps per launch (sequences with
@@ -65,7 +53,7 @@ def test_runs_of_decode_steps_give_the_same_tokens(compiles, async_scheduling):
     expected = [hf.reference_generate(model, p, new_tokens, eos)[0] for p in requests]
     engine = Engine(model, backend="torchax", async_scheduling=async_scheduling,
                     max_decode_steps=4, **dict(ENGINE_ARGS, num_pages=16))
-    runs = _count_runs(engine)
+    runs = count_runs(engine)
     before = len(compiles)
     assert engine.generate(requests, new_tokens, ARRIVALS, eos_token_id=eos) == expected
     assert runs and set(runs) == {4}, runs

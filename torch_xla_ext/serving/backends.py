@@ -48,6 +48,13 @@ def _compiled(fn):
     return torch.compile(fn, backend="openxla", fullgraph=True, dynamic=False)
 
 
+def _donated(caches):
+    """Inside a compiled step: the caches, written in place, donated to the graph (input/output
+    aliasing) instead of copied."""
+    for cache in caches:
+        torch.ops.xla.dynamo_set_buffer_donor_(cache, True)
+
+
 class TorchXlaBackend:
     name = "torch_xla"
 
@@ -96,8 +103,7 @@ class TorchXlaBackend:
         key = (shape, layout, with_logits)
         if key not in self._steps:
             def step(weights, caches, packed, previous_tokens):
-                for cache in caches:  # written in place: donated to the graph, not copied
-                    torch.ops.xla.dynamo_set_buffer_donor_(cache, True)
+                _donated(caches)
                 return llama.forward(shape, layout, with_logits, weights, caches, packed,
                                      previous_tokens)
 
@@ -128,8 +134,7 @@ class TorchXlaBackend:
         key = ("decode", shape, layout, page_size)
         if key not in self._steps:
             def step(weights, caches, packed, steps_left, previous_tokens):
-                for cache in caches:
-                    torch.ops.xla.dynamo_set_buffer_donor_(cache, True)
+                _donated(caches)
                 outputs, caches = llama.forward(shape, layout, False, weights, caches, packed,
                                                 previous_tokens)
                 return (outputs, *llama.next_decode_batch(layout, page_size, packed, steps_left),

@@ -133,7 +133,9 @@ class Engine:
         self.caches = self.backend.new_caches(self._cache_shapes, self._cache_dtype)
         self._previous_tokens = self.backend.tokens(max_num_seqs)
         self._in_flight = None  # launched steps whose results are not read yet
-        self._unreported = collections.deque()  # (chunks, tokens, logits) of read-back steps
+        # Read-back steps not reported yet: (their launch, index in it, chunks, token ids,
+        # logits or None).
+        self._unreported = collections.deque()
         self.buckets_used = set()
         self._graphs_used = set()  # (bucket, a run of decode steps)
         self._steps = 0
@@ -239,7 +241,7 @@ class Engine:
         caches it wrote, donated to the step, are gone, and so is the K/V of every sequence in
         them), the steps launched after it are dropped, and the engine starts again on new
         caches. Waiting requests are untouched. Returns the StepOutput that reports it."""
-        failed = [s for s in list(self.scheduler.running)]
+        failed = list(self.scheduler.running)
         for seq in failed:
             self.scheduler.abort(seq.seq_id, reason="error")
         self._in_flight = None

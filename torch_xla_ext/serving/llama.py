@@ -177,8 +177,8 @@ def next_decode_batch(layout, page_size, packed, steps_left):
     with a step left runs, in the next step, the token this step samples for it (placeholder
     -1 - i: previous_tokens[i] of the next step), one position further, written into the slot
     its block table gives for that position (the scheduler gave it the page), one more token
-    in its cache. Any other row stays as it is but writes nothing (its step's token is not
-    used); so do padding rows, block tables, cu_q_lens, num_seqs and sample_rows."""
+    in its cache. Any other row, padding included, stays as it is but writes nothing (its
+    step's token is not used); so do block tables, cu_q_lens, num_seqs and sample_rows."""
     arrays = layout.unpack(packed)
     steps_left = steps_left - 1
     seqs = torch.arange(layout.max_num_seqs, dtype=packed.dtype, device=packed.device)
@@ -193,8 +193,6 @@ def next_decode_batch(layout, page_size, packed, steps_left):
     arrays.update(
         token_ids=torch.where(row_runs, -1 - rows, arrays["token_ids"]),
         positions=positions,
-        slot_mapping=torch.where(row_runs, pages * page_size + positions % page_size,
-                                 torch.where(rows < arrays["num_seqs"], -1,
-                                             arrays["slot_mapping"])),
+        slot_mapping=torch.where(row_runs, pages * page_size + positions % page_size, -1),
         kv_lens=arrays["kv_lens"] + runs.to(packed.dtype))
     return torch.cat([arrays[name].reshape(-1) for name in layout.sizes]), steps_left
