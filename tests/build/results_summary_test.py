@@ -1,0 +1,70 @@
+"""bench/results/SUMMARY.md is what bench/summarize_results.py makes of the result files beside
+it: regenerated in memory here, it must equal the committed one, and every result file must
+appear in it."""
+
+import json
+
+import pytest
+
+from bench import summarize_results
+
+RESULTS = summarize_results.RESULTS
+
+
+def test_the_committed_summary_is_what_the_result_files_give():
+    committed = (RESULTS / summarize_results.SUMMARY).read_text()
+    assert committed == summarize_results.summarize(RESULTS), (
+        "bench/results/SUMMARY.md is out of date: run `python bench/summarize_results.py` and "
+        "commit what it writes")
+
+
+def test_every_result_file_appears_in_the_summary():
+    text = summarize_results.summarize(RESULTS)
+    files = [p.name for p in RESULTS.iterdir() if p.name != summarize_results.SUMMARY]
+    assert len(files) <= 40, f"bench/results holds {len(files)} files; keep one per benchmark and GPU"
+    assert [name for name in files if f"`{name}`" not in text] == []
+    assert "## Other files" not in text, "a result file of a kind the summary does not read"
+
+
+def _serving_file(tp, time_ms, busy_us):
+    row = {"op": "serving_decode", "impl": "xla_ext_torchax", "scheduling": "async",
+           "batch": 1, "shape": "B=1,context=2048", "time_per_step_ms": time_ms,
+           "tokens_per_s": 1000 / time_ms, "gpu_ms_per_step": busy_us[0] / 1000, "floor_ms": 1.0}
+    devices = {str(i): {"span_us": 9000.0, "busy_us": b, "collective_us": 100.0, "idle_us": 0.0}
+               for i, b in enumerate(busy_us)} if len(busy_us) > 1 else None
+    return {"model": "8b", "dtype": "bfloat16", "device": "cpu", "context": 2048,
+            "tensor_parallel_size": tp, "rows": [row],
+            "profiles": {"decode B=1,context=2048 async": {"per_device": devices}}}
+
+
+def test_tensor_parallel_rows_are_set_against_tp1_of_the_same_model_and_step(tmp_path):
+    (tmp_path / "h100x2-serving-8b-tp1.json").write_text(json.dumps(_serving_file(1, 8.0, [8000.0])))
+    (tmp_path / "h100x2-serving-8b-tp2.json").write_text(
+        json.dumps(_serving_file(2, 5.0, [4500.0, 4400.0])))
+    text = summarize_results.summarize(tmp_path)
+    assert "(2 x H100; bfloat16, context 2048)" in text
+    assert "| 8b | 1 | B=1,context=2048 | async | 8.00 | 125 | 8.00 | – | 1.00 | – |" in text
+    assert "| 8b | 2 | B=1,context=2048 | async | 5.00 | 200 | 4.50 / 4.40 | 0.10 / 0.10 | 1.00 " \
+           "| 0.62 |" in text
+
+
+def test_a_file_of_an_unknown_kind_is_listed_unread(tmp_path):
+    (tmp_path / "h100-something-new.json").write_text("{}")
+    text = summarize_results.summarize(tmp_path)
+    assert "## Other files (no summary for their kind)\n\n- `h100-something-new.json`" in text
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("{not json", "expected a JSON results file, got invalid JSON"),
+    ('{"copy_gbps": 3000}', "expected the fields of a 'Ragged paged attention' result file"),
+])
+def test_a_broken_result_file_is_named(tmp_path, content, expected):
+    (tmp_path / "h100-ragged.json").write_text(content)
+    with pytest.raises(ValueError, match=expected) as error:
+        summarize_results.summarize(tmp_path)
+    assert "h100-ragged.json" in str(error.value)
+
+
+def test_the_results_argument_must_be_a_folder(tmp_path):
+    with pytest.raises(ValueError, match="results: expected a folder of result files, got "):
+        summarize_results.summarize(tmp_path / "missing")
