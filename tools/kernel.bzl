@@ -4,9 +4,10 @@ checks both platforms use, the Host handler and the CUDA handler."""
 load("//tools:cuda.bzl", "cuda_library")
 
 def xla_ext_kernel(op, cuda_deps = []):
-    """Defines :<op>_h (<op>.h), :host (<op>_host.cc) and :cuda (<op>_cuda.cu + *.cuh).
+    """Defines :<op>_h (<op>.h), :host (<op>_host.cc) and :cuda (<op>_cuda.cu).
 
-    cuda_deps: other kernels' :cuda targets whose device code this one launches too.
+    cuda_deps: the device code the CUDA handler launches beside its own (a kernel library
+    such as //kernels/attention).
     """
     native.cc_library(
         name = op + "_h",
@@ -30,8 +31,6 @@ def xla_ext_kernel(op, cuda_deps = []):
     cuda_library(
         name = "cuda",
         srcs = [op + "_cuda.cu"],
-        # Device code the handler is split into (kernels, their shared parts).
-        hdrs = native.glob(["*.cuh"]),
         deps = [
             ":" + op + "_h",
             "//kernels/common:cuda_utils",

@@ -1,7 +1,8 @@
-// CUDA xla_ext.paged_attention: checks, the launch plan, and the launches. Two kernels:
-// - attend_tensor_core.cuh: TMA + tensor cores, for f16/bf16 on Hopper and newer with GQA groups
-//   of up to 16 heads (the serving case);
-// - attend_simt.cuh: CUDA cores, for everything else (f32, larger groups, older GPUs).
+// CUDA xla_ext.paged_attention: checks, the launch plan, and the launches. Two kernels of the
+// attention library (kernels/attention):
+// - decode_tensor_core.cuh: TMA + tensor cores, for f16/bf16 on Hopper and newer with GQA
+//   groups of up to 16 heads (the serving case);
+// - decode_simt.cuh: CUDA cores, for everything else (f32, larger groups, older GPUs).
 // Both may split a sequence over several CTAs, whose pieces CombinePartitionsKernel merges: the
 // tensor-core kernel splits the batch's actual tokens evenly over a grid that fills the GPU
 // once (the split is made on the device: kernels/common/balanced_split.cuh), the CUDA-core
@@ -13,15 +14,24 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/attention/decode_simt.cuh"
+#include "kernels/attention/decode_tensor_core.cuh"
+#include "kernels/attention/split_kv.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
-#include "kernels/paged_attention/attend_simt.cuh"
-#include "kernels/paged_attention/attend_tensor_core.cuh"
 #include "kernels/paged_attention/paged_attention.h"
-#include "kernels/paged_attention/split_kv.cuh"
 #include "xla_ext/registry.h"
 
 namespace xla_ext::paged_attention {
+
+// The decode kernels of the attention library (kernels/attention); this op's batch is the
+// sequences of seq_lens (SeqLensBatch).
+namespace simt = attention::decode::simt;
+namespace tensor_core = attention::decode::tensor_core;
+using attention::decode::LaunchCombine;
+using attention::decode::Params;
+using attention::decode::SeqLensBatch;
+
 namespace {
 
 // XLA_EXT_PAGED_ATTENTION_KERNEL=simt selects the CUDA-core kernel everywhere, so that tests and

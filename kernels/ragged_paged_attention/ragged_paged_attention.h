@@ -50,12 +50,12 @@
 //   q_len > kv_len (after the clamp) gives zeros for all its rows; positions in a page id
 //   outside [0, total_num_pages) are skipped (no weight; a row left with none gives zeros).
 //   Only a row's own q row, its sequence's entries and its pages' K/V rows are read.
-//   The tensor-core kernel (attend_tensor_core.cuh) clamps the same way but finds rows from
+//   The tiled kernels (kernels/attention/tiled_*.cuh) clamp the same way but find rows from
 //   sequences, not sequences from rows: sequence i owns rows cu_q_lens[i]..cu_q_lens[i + 1],
 //   both clamped into [cu_q_lens[0], cu_q_lens[num_seqs]], none if they decrease; with
 //   non-monotone entries two sequences may claim a row, which then gets one of their results.
-//   Beside it, the decode kernel (decode_steps.cuh) takes the sequences whose q_len is 1 after
-//   the same clamps.
+//   Beside them, the decode kernel (kernels/attention/decode_steps.cuh) takes the sequences
+//   whose q_len is 1 after the same clamps.
 //   With XLA_EXT_DEBUG_CHECKS set it runs DataChecks on the device first and returns the Host
 //   handler's error (kernels/common/debug_checks.cuh).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_

@@ -1,12 +1,13 @@
-// CUDA xla_ext.ragged_paged_attention: checks, the choice of kernel, and the launches.
+// CUDA xla_ext.ragged_paged_attention: checks, the choice of kernel, and the launches, all
+// kernels from the attention library (kernels/attention):
 // - The tiled kernels (tiled_batch.cuh) for f16/bf16 queries and caches of the same dtype on
 //   Hopper (the serving case): the batch's (query tile, kv stage) units split evenly over a
-//   grid that fills the GPU once, on the device. attend_warpgroup.cuh (wgmma) for head_dim 64
-//   and 128 on compute capability 9.x, attend_tensor_core.cuh (mma.sync, TMA) for the other
+//   grid that fills the GPU once, on the device. tiled_warpgroup.cuh (wgmma) for head_dim 64
+//   and 128 on compute capability 9.x, tiled_tensor_core.cuh (mma.sync, TMA) for the other
 //   head sizes up to 128 and newer GPUs. Their sequences with one query row (decode steps) go
-//   to the paged-attention decode kernel (decode_steps.cuh), which splits them in the same way
-//   over its share of the GPU, at the same time (gpu_share.cuh).
-// - attend_simt.cuh: CUDA cores, for everything else (f32, fp8 caches, head_dim 192 and 256,
+//   to the decode engine (decode_steps.cuh), which splits them in the same way over its share
+//   of the GPU, at the same time (gpu_share.cuh).
+// - ragged_simt.cuh: CUDA cores, for everything else (f32, fp8 caches, head_dim 192 and 256,
 //   a mask_value whose masked positions must be visited).
 #include <algorithm>
 #include <cmath>
@@ -15,21 +16,35 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/attention/batch_params.cuh"
+#include "kernels/attention/decode_steps.cuh"
+#include "kernels/attention/decode_tensor_core.cuh"
+#include "kernels/attention/gpu_share.cuh"
+#include "kernels/attention/ragged_simt.cuh"
+#include "kernels/attention/split_kv.cuh"
+#include "kernels/attention/tiled_batch.cuh"
+#include "kernels/attention/tiled_tensor_core.cuh"
+#include "kernels/attention/tiled_warpgroup.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
-#include "kernels/paged_attention/attend_tensor_core.cuh"
-#include "kernels/paged_attention/split_kv.cuh"
-#include "kernels/ragged_paged_attention/attend_simt.cuh"
-#include "kernels/ragged_paged_attention/attend_tensor_core.cuh"
-#include "kernels/ragged_paged_attention/attend_warpgroup.cuh"
-#include "kernels/ragged_paged_attention/batch_params.cuh"
-#include "kernels/ragged_paged_attention/decode_steps.cuh"
-#include "kernels/ragged_paged_attention/gpu_share.cuh"
 #include "kernels/ragged_paged_attention/ragged_paged_attention.h"
-#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 #include "xla_ext/registry.h"
 
 namespace xla_ext::ragged_paged_attention {
+
+// The ragged kernels of the attention library (kernels/attention), and the decode kernel that
+// takes a ragged batch's decode steps.
+namespace decode = attention::decode;
+namespace simt = attention::ragged::simt;
+namespace tensor_core = attention::ragged::tensor_core;
+namespace tiled = attention::ragged::tiled;
+namespace warpgroup = attention::ragged::warpgroup;
+using attention::ragged::BatchParams;
+using attention::ragged::CombineKernel;
+using attention::ragged::DecodeStepParams;
+using attention::ragged::DecodeSteps;
+using attention::ragged::GpuShare;
+
 namespace {
 
 // XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=simt, =tensor_core or =warpgroup selects that kernel
@@ -134,10 +149,10 @@ struct Kernels {
   static ffi::Error LaunchTiled(const BatchParams& batch, const Tiled& kernel, const Call& call) {
     if constexpr (kHasTensorCore) {
       const Shapes& s = call.shapes;
-      const std::optional<paged_attention::tensor_core::Plan> decode_plan =
+      const std::optional<decode::tensor_core::Plan> decode_plan =
           ForceTensorCore() || ForceWarpgroup()
               ? std::nullopt
-              : paged_attention::tensor_core::MakePlan<T, kHeadDim, DecodeSteps>(
+              : decode::tensor_core::MakePlan<T, kHeadDim, DecodeSteps>(
                     batch.num_kv_heads, batch.group_size,
                     /*kv_interleaved=*/true, *call.device);
       tiled::Params tp{};
@@ -148,7 +163,7 @@ struct Kernels {
       tp.stage_tokens = kernel.stage_tokens;
       tp.decode_steps_elsewhere = decode_plan.has_value();
       tp.share = Share(kernel, decode_plan, batch, *call.device);
-      paged_attention::Params decode_steps{};
+      decode::Params decode_steps{};
       if (decode_plan.has_value()) {
         XLA_EXT_RETURN_IF_ERROR(PrepareDecodeSteps(batch, *decode_plan, call, decode_steps));
       }
@@ -176,7 +191,7 @@ struct Kernels {
           (rows + tiled::kCombineWarps - 1) / tiled::kCombineWarps;
       if (decode_plan.has_value()) {
         // Beside the tiled kernel (gpu_share.cuh), and one combine for both behind it.
-        paged_attention::tensor_core::LaunchAttention<T, kHeadDim>(decode_steps, DecodeSteps{tp},
+        decode::tensor_core::LaunchAttention<T, kHeadDim>(decode_steps, DecodeSteps{tp},
                                                                    *decode_plan, call.stream);
         const int64_t decode_rows = int64_t{batch.max_num_seqs} * s.num_q_heads;
         auto* combine = &CombineKernel<T, kHeadDim>;
@@ -199,7 +214,7 @@ struct Kernels {
   // CTA in 110.8 us; h100-ragged-overlap-ab.txt); the decode kernel's 132 CTAs streamed
   // 32 x 4096's 8192 stages of 64 KB in 184.4 us, 22 bytes per ns.
   static GpuShare Share(const Tiled& kernel,
-                        const std::optional<paged_attention::tensor_core::Plan>& decode_plan,
+                        const std::optional<decode::tensor_core::Plan>& decode_plan,
                         const BatchParams& batch, const cuda::DeviceInfo& device) {
     constexpr int64_t kTiledFlopsPerNs = XLA_EXT_RAGGED_TILED_FLOPS_PER_NS;
     constexpr int64_t kDecodeBytesPerNs = 22;
@@ -214,7 +229,7 @@ struct Kernels {
       share.decode_groups = batch.num_kv_heads / decode_plan->kv_heads_per_cta;
       share.decode_ctas_per_sm = decode_plan->ctas_per_sm;
       share.decode_unit_ns = static_cast<int>(
-          int64_t{2} * paged_attention::tensor_core::kStageTokens * decode_plan->kv_heads_per_cta *
+          int64_t{2} * decode::tensor_core::kStageTokens * decode_plan->kv_heads_per_cta *
           kHeadDim * sizeof(KV) / kDecodeBytesPerNs);
     }
     return share;
@@ -222,10 +237,10 @@ struct Kernels {
 
   // The decode-step kernel's parameters and its part of the workspace (decode_steps.cuh).
   static ffi::Error PrepareDecodeSteps(const BatchParams& batch,
-                                       const paged_attention::tensor_core::Plan& plan,
-                                       const Call& call, paged_attention::Params& d) {
+                                       const decode::tensor_core::Plan& plan,
+                                       const Call& call, decode::Params& d) {
     d = DecodeStepParams(batch);
-    const int64_t records = paged_attention::tensor_core::NumRecords(plan, batch.max_num_seqs);
+    const int64_t records = decode::tensor_core::NumRecords(plan, batch.max_num_seqs);
     if (records > INT32_MAX) {
       return ArgumentError(kTarget, "kv_lens", "max_num_seqs + CTAs < 2^31",
                            std::to_string(batch.max_num_seqs) + " sequences");
@@ -257,7 +272,7 @@ struct Kernels {
     simt::Params p{};
     static_cast<BatchParams&>(p) = batch;
     const Shapes& s = call.shapes;
-    const simt::Plan plan = simt::MakePlan(s, call.device);
+    const simt::Plan plan = simt::MakePlan(batch, call.device);
     p.num_partitions = plan.num_partitions;
     p.partition_len = plan.partition_len;
     if (plan.num_partitions > 1) {

@@ -6,16 +6,16 @@
 //   with 16-byte loads; kUnroll tokens per thread are loaded before any is used, so enough
 //   bytes are in flight to cover memory latency.
 // - Logits of the partition live in shared memory; softmax; then the V pass, in f32.
-#ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_SIMT_CUH_
-#define XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_SIMT_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_DECODE_SIMT_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_DECODE_SIMT_CUH_
 
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/attention/split_kv.cuh"
 #include "kernels/common/cuda_utils.cuh"
-#include "kernels/paged_attention/split_kv.cuh"
 
-namespace xla_ext::paged_attention::simt {
+namespace xla_ext::attention::decode::simt {
 
 // Build-time tuning knobs (tools/device/tune_paged_attention.sh measures them).
 #ifndef XLA_EXT_PAGED_ATTENTION_PARTITION
@@ -298,6 +298,6 @@ void Attend(const Params& p, int num_seqs, int64_t group_size, cudaStream_t stre
   }
 }
 
-}  // namespace xla_ext::paged_attention::simt
+}  // namespace xla_ext::attention::decode::simt
 
-#endif  // XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_SIMT_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_DECODE_SIMT_CUH_

@@ -34,8 +34,8 @@
 // of one kv head's 256-byte rows reached only about 50%.
 // Before the batch was split by its actual lengths, partitions were sized from the longest
 // possible sequence, and one long sequence beside short ones ran at 6% of copy bandwidth.
-#ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
-#define XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_DECODE_TENSOR_CORE_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_DECODE_TENSOR_CORE_CUH_
 
 #include <algorithm>
 #include <cmath>
@@ -43,12 +43,12 @@
 #include <optional>
 #include <type_traits>
 
+#include "kernels/attention/split_kv.cuh"
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
-#include "kernels/paged_attention/split_kv.cuh"
 
-namespace xla_ext::paged_attention::tensor_core {
+namespace xla_ext::attention::decode::tensor_core {
 
 constexpr int kStageTokens = 16;  // one k16 step of P V; two n8 tiles of S
 constexpr int kMaxStages = 16;
@@ -626,6 +626,6 @@ void Launch(const Params& p, const Batch& batch, const Plan& plan, cudaStream_t 
   LaunchCombine<T, kHeadSize>(p, batch, static_cast<int64_t>(p.num_seqs) * p.num_heads, stream);
 }
 
-}  // namespace xla_ext::paged_attention::tensor_core
+}  // namespace xla_ext::attention::decode::tensor_core
 
-#endif  // XLA_EXT_KERNELS_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_DECODE_TENSOR_CORE_CUH_

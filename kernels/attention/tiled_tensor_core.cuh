@@ -2,7 +2,7 @@
 // bulk copies) for f16/bf16 queries and caches on Hopper: prefill chunks (and decodes, unless
 // the decode-step kernel takes them: decode_steps.cuh) in one launch, over the tiles and
 // (tile, stage) units of tiled_batch.cuh, split between the CTAs on the device by the actual q
-// and kv lengths. attend_warpgroup.cuh (wgmma) takes the head sizes it has; this kernel the
+// and kv lengths. tiled_warpgroup.cuh (wgmma) takes the head sizes it has; this kernel the
 // others up to 128.
 // - A tile is kTileRows rows. Each block of 16 rows is the A operand of S = Q K^T for one
 //   consumer warp; a tile of one or two blocks (decodes, short chunks) has several warps per
@@ -14,19 +14,19 @@
 //   have landed, its `empty` one when every consumer thread is done with it. No CTA-wide
 //   barrier in the loop (an earlier version, whose threads all issued 16-byte cp.async copies
 //   with a barrier per stage, was bound by issue and latency: bench/README.md).
-#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
-#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_TILED_TENSOR_CORE_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_TILED_TENSOR_CORE_CUH_
 
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/attention/gpu_share.cuh"
+#include "kernels/attention/tiled_batch.cuh"
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
-#include "kernels/ragged_paged_attention/gpu_share.cuh"
-#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 
-namespace xla_ext::ragged_paged_attention::tensor_core {
+namespace xla_ext::attention::ragged::tensor_core {
 
 // 7 consumer warps (16 rows of a tile each) and a producer: 8 warps, two per SM sub-partition,
 // may hold up to 255 registers each (9 warps would be capped at 168 and spill).
@@ -455,6 +455,6 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 #endif
 }
 
-}  // namespace xla_ext::ragged_paged_attention::tensor_core
+}  // namespace xla_ext::attention::ragged::tensor_core
 
-#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_TENSOR_CORE_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_TILED_TENSOR_CORE_CUH_

@@ -1,5 +1,5 @@
-// A ragged batch as the tensor-core kernels (attend_tensor_core.cuh: mma.sync;
-// attend_warpgroup.cuh: wgmma) walk it, and the merge of the pieces of tiles split between CTAs.
+// A ragged batch as the tensor-core kernels (tiled_tensor_core.cuh: mma.sync;
+// tiled_warpgroup.cuh: wgmma) walk it, and the merge of the pieces of tiles split between CTAs.
 // - A tile is `tile_rows` query rows of one sequence and one kv head: tile_tokens consecutive
 //   query tokens times the group's query heads (row = token * group + head), so every K/V row
 //   a tile loads serves all of them.
@@ -17,18 +17,18 @@
 //   (row_pieces); CombineKernel merges them, and writes zeros to rows no tile holds (padding,
 //   sequences with q_len > kv_len), but not to the decode steps left to the decode-step
 //   kernel, which runs beside the tiled kernel (gpu_share.cuh marks both kinds of row).
-#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_TILED_BATCH_CUH_
-#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_TILED_BATCH_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_TILED_BATCH_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_TILED_BATCH_CUH_
 
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/attention/batch_params.cuh"
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
-#include "kernels/ragged_paged_attention/batch_params.cuh"
 
-namespace xla_ext::ragged_paged_attention::tiled {
+namespace xla_ext::attention::ragged::tiled {
 
 constexpr int kMinStageTokens = 64;  // the smallest stage a kernel takes (the host's bounds)
 constexpr int kMinCtaStages = 2;  // the fewest units a CTA takes
@@ -254,6 +254,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(Params p) {
   CombineRows<T, kHeadDim>(p);
 }
 
-}  // namespace xla_ext::ragged_paged_attention::tiled
+}  // namespace xla_ext::attention::ragged::tiled
 
-#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_TILED_BATCH_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_TILED_BATCH_CUH_

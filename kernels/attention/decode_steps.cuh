@@ -1,23 +1,23 @@
 // The decode steps of a ragged batch (its sequences with one query row) as a batch of the
-// paged-attention decode kernel (kernels/paged_attention/attend_tensor_core.cuh), which streams
+// decode engine (decode_tensor_core.cuh, paged_attention's kernel), which streams
 // whole token rows of every kv head at close to copy bandwidth. The ragged tensor-core kernel
 // loads one kv head's rows per CTA, a TMA copy of 512 bytes each, and its producer warp issues
 // them one lane at a time: on decode steps that, not the bytes, set its time
 // (bench/results/h100-ncu-ragged-sass-1.csv.gz). So the handler runs both, side by side
 // (gpu_share.cuh): the ragged kernel on the sequences with more than one query row, this one on
 // the rest.
-#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
-#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_DECODE_STEPS_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_DECODE_STEPS_CUH_
 
 #include <cstdint>
 
+#include "kernels/attention/batch_params.cuh"
+#include "kernels/attention/gpu_share.cuh"
+#include "kernels/attention/split_kv.cuh"
+#include "kernels/attention/tiled_batch.cuh"
 #include "kernels/common/balanced_split.cuh"
-#include "kernels/paged_attention/split_kv.cuh"
-#include "kernels/ragged_paged_attention/batch_params.cuh"
-#include "kernels/ragged_paged_attention/gpu_share.cuh"
-#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 
-namespace xla_ext::ragged_paged_attention {
+namespace xla_ext::attention::ragged {
 
 // Sequence i of the decode kernel's batch is sequence i of the ragged batch; it has tokens to
 // attend only if it is a decode step (gpu_share.cuh's DecodeStepOf), and its row is its query
@@ -33,14 +33,14 @@ struct DecodeSteps {
     if (seq >= num_seqs) return {0, 0, 0};
     return DecodeStepOf(batch, OwnedRowsOf(batch, num_seqs), seq);
   }
-  __device__ int Length(const paged_attention::Params&, int seq) const {
+  __device__ int Length(const decode::Params&, int seq) const {
     return StepOf(seq).kv_len;
   }
-  __device__ int64_t Row(const paged_attention::Params&, int seq) const {
+  __device__ int64_t Row(const decode::Params&, int seq) const {
     const Sequence s = StepOf(seq);
     return s.q_len == 1 ? s.q_start : -1;
   }
-  __device__ int ActiveCtas(const paged_attention::Params&, int units, int* scratch) const {
+  __device__ int ActiveCtas(const decode::Params&, int units, int* scratch) const {
     if (units == 0) return 1;  // nothing to split (the tiled kernel gets every SM)
     const int num_seqs = NumSeqs(batch);
     const OwnedRows rows = OwnedRowsOf(batch, num_seqs);
@@ -55,27 +55,27 @@ struct DecodeSteps {
 };
 
 // After the tiled kernel and the decode-step kernel beside it: the decode steps' rows
-// (paged_attention::CombinePartitions), then the tiled kernel's (tiled::CombineRows), in one
+// (decode::CombinePartitions), then the tiled kernel's (tiled::CombineRows), in one
 // kernel launched programmatically behind the decode-step kernel, whose grid ends after the
 // tiled one. (Two combine kernels, one behind the other, put one more launch and wait at the end
 // of every call. The decode steps first: a long sequence's split rows are the call's last work.)
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(tiled::kCombineWarps * 32)
-    CombineKernel(tiled::Params tiled_rows, paged_attention::Params decode_rows,
+    CombineKernel(tiled::Params tiled_rows, decode::Params decode_rows,
                   int64_t num_decode_rows) {
-  static_assert(tiled::kCombineWarps * 32 == paged_attention::kCombineThreads,
+  static_assert(tiled::kCombineWarps * 32 == decode::kCombineThreads,
                 "both combines run in one CTA shape");
   cuda::sm90::WaitForPrerequisiteGrid();
   cuda::sm90::LaunchDependents();
-  paged_attention::CombinePartitions<T, kHeadDim>(decode_rows, DecodeSteps{tiled_rows},
+  decode::CombinePartitions<T, kHeadDim>(decode_rows, DecodeSteps{tiled_rows},
                                                   num_decode_rows);
   tiled::CombineRows<T, kHeadDim>(tiled_rows);
 }
 
 // The decode kernel's parameters for the ragged batch `p` (its records and seq_records are the
 // caller's): the combined cache, K and V of a kv head interleaved.
-inline paged_attention::Params DecodeStepParams(const BatchParams& p) {
-  paged_attention::Params d{};
+inline decode::Params DecodeStepParams(const BatchParams& p) {
+  decode::Params d{};
   d.query = p.q;
   d.key_cache = p.kv_pages;
   d.value_cache = p.kv_pages;
@@ -96,6 +96,6 @@ inline paged_attention::Params DecodeStepParams(const BatchParams& p) {
   return d;
 }
 
-}  // namespace xla_ext::ragged_paged_attention
+}  // namespace xla_ext::attention::ragged
 
-#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_DECODE_STEPS_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_DECODE_STEPS_CUH_

@@ -1,12 +1,12 @@
 // What the CUDA ragged-attention kernels are given of a call: its buffers, sizes and scalars,
 // as the handler reads them (each kernel's Params adds its own split of the work), and what a
 // sequence is to the kernels that walk the batch by sequence.
-#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_BATCH_PARAMS_CUH_
-#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_BATCH_PARAMS_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_BATCH_PARAMS_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_BATCH_PARAMS_CUH_
 
 #include <cstdint>
 
-namespace xla_ext::ragged_paged_attention {
+namespace xla_ext::attention::ragged {
 
 // How the tiled kernel and the decode-step kernel, which run at the same time, share the SMs
 // (gpu_share.cuh): their grids, and what a unit of each costs an SM. (In tiled::Params, which
@@ -48,8 +48,8 @@ struct BatchParams {
 };
 
 // A sequence as the tensor-core and decode-step kernels use it: entries clamped into range
-// (ragged_paged_attention.h); q_len 0 when the entries make no sense (q_len > kv_len,
-// decreasing cu_q_lens).
+// (the op's contract: kernels/ragged_paged_attention/ragged_paged_attention.h); q_len 0 when
+// the entries make no sense (q_len > kv_len, decreasing cu_q_lens).
 struct Sequence {
   int q_start;
   int q_len;
@@ -60,8 +60,8 @@ __device__ __forceinline__ int NumSeqs(const BatchParams& p) {
   return min(max(__ldg(p.num_seqs), 0), p.max_num_seqs);
 }
 
-// Rows are owned only from cu_q_lens[0] up to cu_q_lens[num_seqs] (ragged_paged_attention.h);
-// read once per thread, they clamp every sequence's rows.
+// Rows are owned only from cu_q_lens[0] up to cu_q_lens[num_seqs] (the op's contract); read
+// once per thread, they clamp every sequence's rows.
 struct OwnedRows {
   int first;
   int end;
@@ -86,6 +86,6 @@ __device__ __forceinline__ Sequence ReadSequence(const BatchParams& p, const Own
   return {q_start, q_len > 0 && q_len <= kv_len ? q_len : 0, kv_len};
 }
 
-}  // namespace xla_ext::ragged_paged_attention
+}  // namespace xla_ext::attention::ragged
 
-#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_BATCH_PARAMS_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_BATCH_PARAMS_CUH_

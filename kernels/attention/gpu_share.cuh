@@ -17,19 +17,19 @@
 //   the tiled kernel on the rest, streamed 1.4 times faster per SM. (With the decode kernel's
 //   L2 prefetches off beside the tiled kernel, r = 1.25 and 1.8 were both slower than 1.5:
 //   bench/results/h100-ragged-prefetch-ab.txt.)
-#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
-#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_GPU_SHARE_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_GPU_SHARE_CUH_
 
+#include "kernels/attention/batch_params.cuh"
+#include "kernels/attention/decode_tensor_core.cuh"
+#include "kernels/attention/tiled_batch.cuh"
 #include "kernels/common/balanced_split.cuh"
-#include "kernels/paged_attention/attend_tensor_core.cuh"
-#include "kernels/ragged_paged_attention/batch_params.cuh"
-#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 
 #ifndef XLA_EXT_RAGGED_DECODE_SPEEDUP_PERCENT  // a build-time knob, for A/B builds
 #define XLA_EXT_RAGGED_DECODE_SPEEDUP_PERCENT 150
 #endif
 
-namespace xla_ext::ragged_paged_attention {
+namespace xla_ext::attention::ragged {
 
 constexpr int kDecodeSpeedupPercent = XLA_EXT_RAGGED_DECODE_SPEEDUP_PERCENT;
 static_assert(kDecodeSpeedupPercent >= 100, "an SM streams at least its share");
@@ -74,7 +74,7 @@ __device__ __forceinline__ Sequence DecodeStepOf(const BatchParams& p, const Own
 // The decode-step kernel's units of sequence `seq` (< num_seqs), in its stages.
 __device__ __forceinline__ int DecodeStepUnits(const BatchParams& p, const OwnedRows& rows,
                                                int seq) {
-  return paged_attention::tensor_core::UnitsOf(p.sliding_window,
+  return decode::tensor_core::UnitsOf(p.sliding_window,
                                                DecodeStepOf(p, rows, seq).kv_len);
 }
 
@@ -129,6 +129,6 @@ __device__ cuda::balanced::Range LocateTiledRange(const tiled::Params& p, const 
       });
 }
 
-}  // namespace xla_ext::ragged_paged_attention
+}  // namespace xla_ext::attention::ragged
 
-#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_GPU_SHARE_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_GPU_SHARE_CUH_

@@ -9,7 +9,7 @@
 //   memory through descriptors. The softmax works on S's accumulators in place (with Q in
 //   registers, S and the weights apart and 64-position stages, as this kernel was first, it
 //   took prefill 4 x 2048 517 us; bench/README.md has the steps). The mma.sync kernel
-//   (attend_tensor_core.cuh) loaded every B fragment with ldmatrix and stayed under a fifth
+//   (tiled_tensor_core.cuh) loaded every B fragment with ldmatrix and stayed under a fifth
 //   of the measured matmul rate on prefill.
 // - Stages stream through a ring of kStages buffers, each a stage's K then its V in the
 //   128-byte swizzle layout wgmma reads (per 64-column block, a position's row of 128 bytes,
@@ -24,20 +24,20 @@
 // - A stage's P V runs on the tensor cores while the next stage's softmax runs on the
 //   consumer's other units (FlashAttention-3's intra-warpgroup overlap), and the two consumer
 //   warpgroups take turns to issue their MMAs (its ping-pong).
-#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
-#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_TILED_WARPGROUP_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_TILED_WARPGROUP_CUH_
 
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/attention/gpu_share.cuh"
+#include "kernels/attention/tiled_batch.cuh"
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
 #include "kernels/common/warpgroup_mma.cuh"
-#include "kernels/ragged_paged_attention/gpu_share.cuh"
-#include "kernels/ragged_paged_attention/tiled_batch.cuh"
 
-namespace xla_ext::ragged_paged_attention::warpgroup {
+namespace xla_ext::attention::ragged::warpgroup {
 
 // Two consumer warpgroups and a producer warpgroup: 12 warps, three per SM sub-partition,
 // which would cap every thread at 168 registers (O, S and Q take 128 at head_dim 128, and
@@ -548,6 +548,6 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
 #endif
 }
 
-}  // namespace xla_ext::ragged_paged_attention::warpgroup
+}  // namespace xla_ext::attention::ragged::warpgroup
 
-#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_WARPGROUP_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_TILED_WARPGROUP_CUH_

@@ -5,8 +5,8 @@
 // sequence into partitions of partition_len tokens (record seq * num_partitions + partition);
 // the tensor-core kernel splits the batch's actual tokens evenly over its grid
 // (kernels/common/balanced_split.cuh) and says in seq_records where each sequence's are.
-#ifndef XLA_EXT_KERNELS_PAGED_ATTENTION_SPLIT_KV_CUH_
-#define XLA_EXT_KERNELS_PAGED_ATTENTION_SPLIT_KV_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_SPLIT_KV_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_SPLIT_KV_CUH_
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +17,7 @@
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
 
-namespace xla_ext::paged_attention {
+namespace xla_ext::attention::decode {
 
 struct Params {
   const void* query;
@@ -56,7 +56,7 @@ struct Params {
 
 // The batch as paged_attention gives it: sequence i has seq_lens[i] tokens, its query and
 // output are row i. (The decode kernels take the batch as a type with the same two functions:
-// ragged attention's decode steps are another; kernels/ragged_paged_attention.)
+// ragged attention's decode steps are another: decode_steps.cuh.)
 struct SeqLensBatch {
   // The tensor-core kernel reads global memory only after the previous grid has finished
   // (false: a batch whose kernel runs beside it waits for it before exiting instead).
@@ -386,6 +386,6 @@ void LaunchCombine(const Params& p, const Batch& batch, int64_t rows, cudaStream
                            p, batch, rows);
 }
 
-}  // namespace xla_ext::paged_attention
+}  // namespace xla_ext::attention::decode
 
-#endif  // XLA_EXT_KERNELS_PAGED_ATTENTION_SPLIT_KV_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_SPLIT_KV_CUH_

@@ -4,8 +4,8 @@
 // The grid is (query row, chunk of up to 8 query heads of one kv head, partition), sized from
 // static shapes only; nothing is read on the host. Each CTA:
 // - finds the sequence owning its row on the device (a 32-way search of the first
-//   num_seqs + 1 entries of cu_q_lens by every warp, ragged_paged_attention.h says what is
-//   done with junk) and the row's range of kv positions (causal, sliding window);
+//   num_seqs + 1 entries of cu_q_lens by every warp; the op's contract,
+//   kernels/ragged_paged_attention/ragged_paged_attention.h, says what is done with junk) and the row's range of kv positions (causal, sliding window);
 // - splits its partition of that range over thread groups ("slots") of kLanes threads: a
 //   group reads one position's K and V rows (kLanes lanes x 8 elements, the widest aligned
 //   loads) and keeps, per query head, an online softmax (max, sum, unnormalised output) in
@@ -15,8 +15,8 @@
 //   to scratch, which CombineKernel merges into the output.
 // Partitions are sized from the static shapes (pages_per_seq * page_size, as if every row
 // attended that many positions) so that small batches of long rows still fill the GPU.
-#ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_SIMT_CUH_
-#define XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_SIMT_CUH_
+#ifndef XLA_EXT_KERNELS_ATTENTION_RAGGED_SIMT_CUH_
+#define XLA_EXT_KERNELS_ATTENTION_RAGGED_SIMT_CUH_
 
 #include <cuda_fp8.h>
 
@@ -25,11 +25,10 @@
 #include <cstdint>
 #include <optional>
 
+#include "kernels/attention/batch_params.cuh"
 #include "kernels/common/cuda_utils.cuh"
-#include "kernels/ragged_paged_attention/batch_params.cuh"
-#include "kernels/ragged_paged_attention/ragged_paged_attention.h"
 
-namespace xla_ext::ragged_paged_attention::simt {
+namespace xla_ext::attention::ragged::simt {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
@@ -410,13 +409,15 @@ inline int HeadsPerCta(int64_t group_size) {
   return heads;
 }
 
-inline Plan MakePlan(const Shapes& s, const std::optional<cuda::DeviceInfo>& device) {
+inline Plan MakePlan(const BatchParams& batch, const std::optional<cuda::DeviceInfo>& device) {
   Plan plan;
-  plan.heads_per_cta = HeadsPerCta(s.group_size());
-  plan.head_chunks = static_cast<int>(s.group_size() / plan.heads_per_cta);
-  const int64_t capacity = std::max<int64_t>(s.capacity(), 1);
+  plan.heads_per_cta = HeadsPerCta(batch.group_size);
+  plan.head_chunks = batch.group_size / plan.heads_per_cta;
+  // The tokens a sequence's row of page_indices can address.
+  const int64_t capacity =
+      std::max<int64_t>(int64_t{batch.pages_per_seq} << batch.log2_page_size, 1);
   plan.partition_len = static_cast<int>(capacity);
-  const int64_t ctas = s.num_tokens * s.num_kv_heads * plan.head_chunks;
+  const int64_t ctas = int64_t{batch.num_tokens} * batch.num_kv_heads * plan.head_chunks;
   if (!device.has_value() || ctas <= 0) return plan;
   const int64_t target = int64_t{device->sms} * kCtasPerSmTarget;
   if (ctas >= target || capacity < 2 * kMinPartitionLen) return plan;
@@ -428,6 +429,6 @@ inline Plan MakePlan(const Shapes& s, const std::optional<cuda::DeviceInfo>& dev
   return plan;
 }
 
-}  // namespace xla_ext::ragged_paged_attention::simt
+}  // namespace xla_ext::attention::ragged::simt
 
-#endif  // XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_ATTEND_SIMT_CUH_
+#endif  // XLA_EXT_KERNELS_ATTENTION_RAGGED_SIMT_CUH_
