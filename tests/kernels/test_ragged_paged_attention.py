@@ -408,7 +408,7 @@ def test_chain_in_one_executable():
     # (a CUDA graph) and replays it at each execution, here twice with different inputs.
     # Each execution must give what the calls give one at a time. (The optimised HLO does not
     # show the command buffers, which XLA forms from the thunks; that the calls are recorded
-    # shows in their time: bench/README.md, "Ragged paged attention".)
+    # shows in their time: docs/performance.md, "Workspace instead of XLA's scratch allocator".)
     calls = 6
     attrs = attributes(128)
     ffi_attrs = ffi_attributes(attrs)
