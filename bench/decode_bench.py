@@ -1,8 +1,11 @@
-"""GPU benchmark (issue: prove the kernels on an H100): one process, all baselines.
+"""GPU benchmark of paged decode attention against its baselines, one process.
 
     python bench/decode_bench.py --out bench/results/h100.json
+    python bench/decode_bench.py --skip-add --out bench/results/h100-decode-uniform.json
 
-Rows (schema of shared/DESIGN.md): paged_attention decode, bf16, H=32, KVH=8, D=128, through
+(`tools/device/run.sh bench` runs the first, `run.sh decode` the second; bench/README.md says
+what the fields mean.)
+Rows: paged_attention decode, bf16, H=32, KVH=8, D=128, through
   xla_ext     our CUDA handler inside an XLA GPU graph (JAX, jax.ffi.ffi_call),
   sdpa_cudnn  torch SDPA, cuDNN backend, on the same data as a contiguous KV cache,
   sdpa_flash  torch SDPA, flash backend, same,

@@ -5,7 +5,8 @@ without XLA's command buffers (CUDA graphs), to show where the custom call's ext
 
 Each setting runs in a child process (XLA reads XLA_FLAGS once). Per call: (median time of a
 1000-call chain - median of a 500-call chain) / 500, bench/decode_bench.py's dispatch row.
-Run from the repository root with it on PYTHONPATH (tools/device/run.sh does).
+Run from the repository root with it on PYTHONPATH (tools/device/run.sh does: its `bench` phase
+keeps the lines in bench/results/h100-dispatch-command-buffers.txt).
 """
 
 import os

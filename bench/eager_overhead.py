@@ -4,6 +4,7 @@ dtypes and scalar arguments through csrc/eager_runtime.cc), on inputs so small t
 cost next to nothing.
 
     python bench/eager_overhead.py --device cpu --out bench/results/cpu-eager-overhead.json
+    python bench/eager_overhead.py --device cuda --out bench/results/h100-eager-overhead.json
 
 CPU time of this process per call (time.process_time, the best of 7 rounds of 2000 calls), so
 other processes on a shared machine do not inflate it. On CUDA the kernels run behind the host,

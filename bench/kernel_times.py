@@ -10,6 +10,9 @@ times, per shape:
 Medians of 3 traced runs.
 
     python bench/kernel_times.py [--impl xla_ext|xla_gather|sdpa_cudnn] [--out FILE]
+
+`tools/device/run.sh bench` runs it for xla_ext and sdpa_cudnn and keeps both in
+bench/results/h100-kernel-times.json.
 """
 
 import argparse

@@ -5,8 +5,9 @@ block 16): B=32, L=4096, H=32, KVH=8, D=128 by default, or a mix of bench/decode
         python3 bench/profile_paged_attention.py [--mix "TP=8 shard (H=4, KVH=1): long tail 64"]
 
 Four calls; with --mix, the attention and combine kernels of a call are launch pairs
-(`tools/device/run.sh ncu_mixes` profiles the third call's). --trace: then the GPU timeline of
-three calls replayed in a CUDA graph (bench/gpu_trace.py)."""
+(`tools/device/run.sh ncu_mixes` profiles the third call's, into
+bench/results/<gpu>-ncu-mixes.txt; `run.sh bench` the default batch, into <gpu>-ncu.txt).
+--trace: then the GPU timeline of three calls replayed in a CUDA graph (bench/gpu_trace.py)."""
 
 import argparse
 import os

@@ -5,7 +5,9 @@ torch (CUDA tensors), for a profiler:
         python3 bench/profile_ragged_attention.py --mix "decode 64 x 2048"
 
 Four calls; each launches the attention kernel and its combine kernel
-(`tools/device/run.sh ncu_ragged` profiles the third call's). With --trace, three more calls
+(`tools/device/run.sh ncu_ragged` profiles the third call's, into
+bench/results/<gpu>-ncu-ragged.txt; `run.sh clocks_ragged` keeps --clocks in
+<gpu>-ragged-clocks.txt). With --trace, three more calls
 are captured in a CUDA graph and replayed under torch.profiler's CUPTI trace
 (bench/gpu_trace.py): each kernel's, memset's and copy's start and end on the GPU, with no host
 gaps between the calls. With --clocks S, calls replayed back to back in a CUDA graph for S

@@ -16,6 +16,10 @@ in its process).
     PJRT_DEVICE=GPU python bench/serving_bench.py --backend torch_xla --impls ours --device cpu \\
         --out /tmp/serving-torch-xla.json        # ours through torch_xla on the GPU (no trace)
 
+On the GPU machine `tools/device/run.sh serving` writes bench/results/<gpu>-serving.json, `run.sh
+tp` <gpu>-serving-<model>-tp<n>.json (--config 8b|1b --tensor-parallel-size N), and
+`tools/device/torch_xla_gpu.sh run bench` <gpu>-serving-torch-xla.json (both backends).
+
 Ours: torch_xla_ext.serving.Engine through torchax (each step one jax.jit executable called
 directly, caches donated), or through torch_xla with --backend torch_xla (the model is made on
 --device, cpu, and the engine moves it to torch_xla's device; no GPU trace, no copy bandwidth:

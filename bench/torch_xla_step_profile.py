@@ -3,6 +3,9 @@ Engine(backend="torch_xla"), B=1 decode at a 2k context, STEPS steps under cProf
 functions by own time and by cumulative time) beside torch_xla's metrics for those steps.
 
     PJRT_DEVICE=GPU python bench/torch_xla_step_profile.py    (tools/device/torch_xla_gpu.sh env)
+
+`tools/device/torch_xla_gpu.sh run bench` keeps its output in
+bench/results/h100-torch-xla-step-profile.txt.
 """
 
 import cProfile

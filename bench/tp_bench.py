@@ -17,6 +17,8 @@ device's step spent in collective kernels.
     python bench/tp_bench.py --tp 1 [--out FILE]            # one GPU: the single-device half
     python bench/tp_bench.py --platform cpu --small --tp 2  # CPU check of the same code
       (needs XLA_FLAGS=--xla_force_host_platform_device_count=2)
+
+`tools/device/run.sh tp1` and `tp2` write bench/results/<gpu>-tp1.json and <gpu>-tp2.json.
 """
 
 import argparse
