@@ -14,21 +14,15 @@
 
 #include "kernels/attention/split_kv.cuh"
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/common/tuning.h"
 
 namespace xla_ext::attention::decode::simt {
 
-// Build-time tuning knobs (tools/device/tune_paged_attention.sh measures them).
-#ifndef XLA_EXT_PAGED_ATTENTION_PARTITION
-#define XLA_EXT_PAGED_ATTENTION_PARTITION 512
-#endif
-#ifndef XLA_EXT_PAGED_ATTENTION_UNROLL
-#define XLA_EXT_PAGED_ATTENTION_UNROLL 4
-#endif
-
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kPartition = XLA_EXT_PAGED_ATTENTION_PARTITION;  // tokens per CTA
-constexpr int kUnroll = XLA_EXT_PAGED_ATTENTION_UNROLL;  // tokens a thread loads before use
+// The tuning knobs (kernels/common/tuning.h).
+constexpr int kPartition = tuning::kDecodeSimtPartition;  // tokens per CTA
+constexpr int kUnroll = tuning::kDecodeSimtUnroll;  // tokens a thread loads before use
 constexpr int kMaxHeadsPerCta = 8;
 
 template <typename T, int kHeadSize>

@@ -2,8 +2,9 @@
 // decode engine (decode_tensor_core.cuh, paged_attention's kernel), which streams
 // whole token rows of every kv head at close to copy bandwidth. The ragged tensor-core kernel
 // loads one kv head's rows per CTA, a TMA copy of 512 bytes each, and its producer warp issues
-// them one lane at a time: on decode steps that, not the bytes, set its time
-// (bench/results/h100-ncu-ragged-sass-1.csv.gz). So the handler runs both, side by side
+// them one lane at a time: on decode steps that, not the bytes, set its time (its producer's
+// copy instructions were where Nsight Compute's samples stalled). So the handler runs both,
+// side by side
 // (gpu_share.cuh): the ragged kernel on the sequences with more than one query row, this one on
 // the rest.
 #ifndef XLA_EXT_KERNELS_ATTENTION_DECODE_STEPS_CUH_

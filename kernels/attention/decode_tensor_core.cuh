@@ -26,10 +26,10 @@
 //   stream of the cache does not push the partials out to DRAM. Measured on an H100 against no
 //   policies: B=1, L=32768 -2.5 to -3.3 us per call, the other shapes unchanged or faster; the
 //   copies' policy alone made B=32 2-3 us slower, and reading the partials back evict-first in
-//   the combine kernel was no better (bench/results/h100-tune-tensor-core.txt).
+//   the combine kernel was no better.
 // Shared-memory runs of two tokens are padded by 16 bytes so that ldmatrix's 8 rows of 8 even
-// (or odd) tokens fall in distinct banks (Layout). Measured on an H100
-// (bench/results/h100-tune-tensor-core.txt): one L2 prefetch per block-sized run of tokens, a
+// (or odd) tokens fall in distinct banks (Layout). Measured on an H100: one L2 prefetch per
+// block-sized run of tokens, a
 // stage ahead, raised B=32, L=4096 from 82% to 88% of copy bandwidth in the same timing; copies
 // of one kv head's 256-byte rows reached only about 50%.
 // Before the batch was split by its actual lengths, partitions were sized from the longest
@@ -47,6 +47,7 @@
 #include "kernels/common/balanced_split.cuh"
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
+#include "kernels/common/tuning.h"
 
 namespace xla_ext::attention::decode::tensor_core {
 
@@ -77,10 +78,9 @@ static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 // (K, V) pairs), the runs padded by 16 bytes; with K and V apart, kStageTokens / 2 runs of K, then
 // as many of V. Where a CTA holds every kv head a pair's rows are contiguous in the cache, so one
 // copy moves them: the copies are issued one lane at a time, and fewer, larger ones stream faster
-// (on the H100 at head_dim 64, 64 x 2048: one 1 KB copy per token and cache 73% of copy bandwidth,
-// bench/results/h100-decode-mixes-44440bc.json, pairs 86-89%; in the serving loop's decode step, 16
-// layers, two 1 KB copies per token took 1926 us, one 2 KB copy 1672 us:
-// bench/results/h100-serving-ours-f7fd5d4.json, and that file as of 29c8733). The padding puts the
+// (on the H100 at head_dim 64, 64 x 2048: one 1 KB copy per token and cache reached 73% of copy
+// bandwidth, pairs 86-89%; in the serving loop's decode step, 16 layers, two 1 KB copies per
+// token took 1926 us, one 2 KB copy 1672 us). The padding puts the
 // 8 runs' starts in distinct 16-byte bank groups (their stride is an odd multiple of 16 modulo
 // 128), so the consumers' ldmatrix rows, 8 even or 8 odd tokens, fall in distinct banks: an S
 // tile's 8 columns are the stage's even tokens or its odd ones.
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     // turns the next stage's copies into L2 hits. Only while the grid streams alone: on a share
     // of it, beside the ragged tiled kernel, the prefetches' L2 traffic slowed that kernel more
     // than they sped this one (4 chunks of 256 + 60 decodes x 1024: 126.5-129.3 us with them,
-    // 123.6-123.7 without; bench/results/h100-ragged-prefetch-ab.txt). Tokens before the window
+    // 123.6-123.7 without, on the H100). Tokens before the window
     // are skipped.
     constexpr int kPairs = kStageTokens / 2;
     const int pair = lane % kPairs;
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     // P's 0 is NaN): its elements are cleared in the B fragments, which hold k rows col and
     // col + 1 (low and high halves), and 8 more. (The producer zeroing them holds up the
     // stage's arrive: on 64 x 1 + 16 x 4096, whose one-token stages skip 15 tokens, 132-145 us
-    // against 107-111 us this way; bench/results/h100-pair-copies-ab.txt.)
+    // against 107-111 us this way on the H100.)
     const auto row_pair_mask = [&](int k) {
       return ((valid >> k) & 1u ? 0x0000ffffu : 0u) | ((valid >> (k + 1)) & 1u ? 0xffff0000u : 0u);
     };
@@ -505,23 +505,17 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
 #endif
 }
 
-// Build-time tuning knobs (tools/device/tune_paged_attention.sh).
-#ifndef XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA
-#define XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA 8
-#endif
-#ifndef XLA_EXT_PAGED_ATTENTION_SHARED_KB  // shared memory a CTA's stage ring may use
-#define XLA_EXT_PAGED_ATTENTION_SHARED_KB 200
-#endif
+// The tuning knobs (kernels/common/tuning.h): kv heads per CTA at most, and the shared memory a
+// CTA's stage ring may use.
+constexpr int kKvHeadsPerCta = tuning::kDecodeKvHeadsPerCta;
+constexpr int kSharedBudgetBytes = tuning::kDecodeSharedKb * 1024;
 // Consumer warps (one per kv head of a CTA) an SM should hold at least: a CTA of fewer kv heads
 // gets a smaller share of shared memory, so that more CTAs fit. With one CTA of the largest
 // ring per SM, a GPU holding one kv head (a tensor-parallel shard) has one consumer warp per
 // SM, whose stages' arithmetic runs one after another (H100, TP=8 shard of the decode mixes:
 // 22.9 us at 1, 14.0 at 8; TP=2: 42.5 and 36.0; 8 kv heads per GPU do not change).
-#ifndef XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM
-#define XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM 8
-#endif
-static_assert(XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA >= 1 &&
-                  XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA <= kMaxKvHeadsPerCta,
+constexpr int kMinConsumerWarpsPerSm = tuning::kDecodeMinConsumerWarpsPerSm;
+static_assert(kKvHeadsPerCta >= 1 && kKvHeadsPerCta <= kMaxKvHeadsPerCta,
               "the kernel's launch bounds allow at most kMaxKvHeadsPerCta consumer warps");
 
 // Shared memory the driver keeps for itself per resident CTA (sm_80 and later).
@@ -548,11 +542,11 @@ std::optional<Plan> PlanFor(int num_kv_heads, bool kv_interleaved,
   plan.kv_heads_per_cta = kv_heads;
   plan.layout = Layout::For(kv_heads, kHeadSize, sizeof(T), kv_interleaved);
   const int ctas_per_sm_wanted =
-      cuda::CeilDiv(XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM, kv_heads);
+      cuda::CeilDiv(kMinConsumerWarpsPerSm, kv_heads);
   const int share = ctas_per_sm_wanted == 1
                         ? device.max_shared_bytes
                         : device.max_shared_bytes / ctas_per_sm_wanted - kReservedSharedBytes;
-  const int budget = std::min(XLA_EXT_PAGED_ATTENTION_SHARED_KB * 1024, share);
+  const int budget = std::min(kSharedBudgetBytes, share);
   plan.num_stages =
       std::clamp((budget - kHeaderBytes) / plan.layout.stage_bytes, 2, kMaxStages);
   while (plan.num_stages >= 2 &&
@@ -587,7 +581,7 @@ std::optional<Plan> MakePlan(int num_kv_heads, int group_size, bool kv_interleav
                             : PlanFor<T, kHeadSize, false, Batch>(num_kv_heads, kv_interleaved,
                                                                   device, kv_heads);
     };
-    int kv_heads = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
+    int kv_heads = kKvHeadsPerCta;
     while (kv_heads > 1 && num_kv_heads % kv_heads != 0) kv_heads /= 2;
     std::optional<Plan> plan = plan_for(kv_heads);
     while (!plan.has_value() && kv_heads > 1) {

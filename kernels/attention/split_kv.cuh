@@ -217,8 +217,7 @@ __device__ __forceinline__ void MergeShare(const Params& p, const CombineRow& r,
 // merge in rounds of at most kCombineWarps warps: one round trip a round while a row has at most
 // kCombineWarps chunks; a row's warps meet in shared memory. (Before, warps per row were fixed
 // on the host from the average records: 256 x 32 tokens, with nothing to merge, had a grid of
-// 1024 CTAs in 3.9 waves, and its call took 19.2 us against 16.6 now on the H100;
-// bench/results/h100-combine-rows-ab.txt.)
+// 1024 CTAs in 3.9 waves, and its call took 19.2 us against 16.6 now on the H100.)
 // (The body of CombinePartitionsKernel, for kernels of kCombineThreads threads that combine
 // other rows too: the ragged op's.)
 template <typename T, int kHeadSize, typename Batch>

@@ -13,7 +13,7 @@
 //   the cache (those also get no weight); a buffer's `full` mbarrier completes when its bytes
 //   have landed, its `empty` one when every consumer thread is done with it. No CTA-wide
 //   barrier in the loop (an earlier version, whose threads all issued 16-byte cp.async copies
-//   with a barrier per stage, was bound by issue and latency: bench/README.md).
+//   with a barrier per stage, was bound by instruction issue and latency, not by bytes).
 #ifndef XLA_EXT_KERNELS_ATTENTION_TILED_TENSOR_CORE_CUH_
 #define XLA_EXT_KERNELS_ATTENTION_TILED_TENSOR_CORE_CUH_
 

@@ -8,7 +8,8 @@
 //   registers, is the A operand of O += P V (m64nDk16). K and V are read by the MMAs from shared
 //   memory through descriptors. The softmax works on S's accumulators in place (with Q in
 //   registers, S and the weights apart and 64-position stages, as this kernel was first, it
-//   took prefill 4 x 2048 517 us; bench/README.md has the steps). The mma.sync kernel
+//   took prefill 4 x 2048 517 us on the H100; each of those steps cost a copy or a wait per
+//   stage). The mma.sync kernel
 //   (tiled_tensor_core.cuh) loaded every B fragment with ldmatrix and stayed under a fifth
 //   of the measured matmul rate on prefill.
 // - Stages stream through a ring of kStages buffers, each a stage's K then its V in the

@@ -79,12 +79,6 @@ ffi::Error ReadyToLaunch(const Call& call, bool& launch) {
   return launch ? call.workspace.CheckFits(kTarget, "workspace") : ffi::Error::Success();
 }
 
-// A build-time knob (the A/B builds of gpu_share.cuh's split): the tiled kernel's arithmetic
-// rate per SM, as Share estimates it.
-#ifndef XLA_EXT_RAGGED_TILED_FLOPS_PER_NS
-#define XLA_EXT_RAGGED_TILED_FLOPS_PER_NS 2400
-#endif
-
 // The launches for one (q dtype, kv dtype, head_dim).
 template <typename T, typename KV, int kHeadDim>
 struct Kernels {
@@ -209,14 +203,14 @@ struct Kernels {
 
   // How the tiled and decode-step kernels share the GPU (gpu_share.cuh). What a unit costs an
   // SM, measured on the H100: the wgmma kernel alone did prefill 4 x 2048's 17408 units of
-  // 128 x 128 x 128 (4 flops each) on 128 CTAs in 318.8 us (h100-ragged-trace.txt), 3.6 flops
-  // per ns, but beside the decode kernel 2.3-2.5 (4 chunks of 256 + 60 decodes: 30 units per
-  // CTA in 110.8 us; h100-ragged-overlap-ab.txt); the decode kernel's 132 CTAs streamed
-  // 32 x 4096's 8192 stages of 64 KB in 184.4 us, 22 bytes per ns.
+  // 128 x 128 x 128 (4 flops each) on 128 CTAs in 318.8 us, 3600 flops per ns, but beside
+  // the decode kernel 2300-2500 (4 chunks of 256 + 60 decodes: 30 units per CTA in 110.8 us),
+  // and the split is made for the two running side by side; the decode kernel's 132 CTAs
+  // streamed 32 x 4096's 8192 stages of 64 KB in 184.4 us, 22 bytes per ns.
   static GpuShare Share(const Tiled& kernel,
                         const std::optional<decode::tensor_core::Plan>& decode_plan,
                         const BatchParams& batch, const cuda::DeviceInfo& device) {
-    constexpr int64_t kTiledFlopsPerNs = XLA_EXT_RAGGED_TILED_FLOPS_PER_NS;
+    constexpr int64_t kTiledFlopsPerNs = 2400;
     constexpr int64_t kDecodeBytesPerNs = 22;
     GpuShare share{};
     share.sms = device.sms;

@@ -13,7 +13,10 @@
 #   CUDA_HOME        default /usr/local/cuda
 #   JOBS             parallel compiles, default: number of CPUs
 #   CUDA_GENCODE     replaces the -gencode flags (e.g. "-gencode=arch=compute_90a,code=sm_90a")
-#   NVCC_EXTRA_FLAGS appended to every nvcc command (e.g. tuning -D flags)
+#   NVCC_EXTRA_FLAGS appended to every nvcc command (e.g. the -D flags of
+#                    kernels/common/tuning.h's knobs)
+#   LIB_OUT          where the libraries go, default torch_xla_ext/lib (where the package finds
+#                    them first; another directory builds them without shadowing Bazel's)
 set -euo pipefail
 WHAT="${1:-all}"
 [[ $WHAT == all || $WHAT == torch ]] || { echo "usage: $0 [all|torch]" >&2; exit 2; }
@@ -23,13 +26,14 @@ cd "$ROOT"
 FFI_INCLUDE="${XLA_FFI_INCLUDE:-$ROOT/.devbuild/ffi_include}"
 CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 JOBS="${JOBS:-$(nproc)}"
+LIB_OUT="${LIB_OUT:-torch_xla_ext/lib}"
 [[ -f "$FFI_INCLUDE/xla/ffi/api/ffi.h" ]] || {
   echo "no XLA FFI headers under $FFI_INCLUDE (set XLA_FFI_INCLUDE)" >&2; exit 1; }
 
 BUILD="$ROOT/.devbuild"
 OBJ="$BUILD/obj"
 # Kernels include the registry as "xla_ext/registry.h" (kernels/registry/BUILD.bazel).
-mkdir -p "$OBJ" "$BUILD/include"
+mkdir -p "$OBJ" "$BUILD/include" "$LIB_OUT"
 ln -sfn "$ROOT/kernels/registry" "$BUILD/include/xla_ext"
 
 INCLUDES=(-I "$ROOT" -I "$BUILD/include" -isystem "$FFI_INCLUDE" -isystem "$CUDA_HOME/include")
@@ -80,13 +84,13 @@ objects() { for src in "$@"; do echo "$OBJ/${src//\//_}.o"; done; }
 LINK=(-shared -Wl,--version-script=torch_xla_ext/lib/exports.lds)
 if [[ $WHAT == all ]]; then
   # --whole-archive is not needed: every object is linked, so every static registration runs.
-  g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_kernels.so $(objects "${KERNEL_SRCS[@]}") \
+  g++ "${LINK[@]}" -o "$LIB_OUT/libxla_ext_kernels.so" $(objects "${KERNEL_SRCS[@]}") \
     "$CUDA_HOME/lib64/libcudart_static.a" -ldl -lpthread -lrt
   for src in "${!CSRC_LIBRARY[@]}"; do
     g++ -shared "-Wl,--version-script=${CSRC_EXPORTS[$src]}" \
-      -o "torch_xla_ext/lib/${CSRC_LIBRARY[$src]}" $(objects "$src") -ldl
+      -o "$LIB_OUT/${CSRC_LIBRARY[$src]}" $(objects "$src") -ldl
   done
 fi
-g++ "${LINK[@]}" -o torch_xla_ext/lib/libxla_ext_torch.so $(objects "${TORCH_SRCS[@]}") \
+g++ "${LINK[@]}" -o "$LIB_OUT/libxla_ext_torch.so" $(objects "${TORCH_SRCS[@]}") \
   -L "$TORCH_DIR/lib" -lc10 -lc10_cuda -ltorch_cpu -ltorch -ltorch_python
-ls -l torch_xla_ext/lib/*.so
+ls -l "$LIB_OUT"/*.so

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds the kernels once per setting of the XLA_EXT_PAGED_ATTENTION_*
-# knobs of kernels/paged_attention/ (sm_90a only, to build fast) and
+# knobs of the decode engine (kernels/common/tuning.h; sm_90a only, to build fast) and
 # times paged_attention through XLA GPU (and, for mixes, the torch op in a CUDA graph) for each:
 # the five uniform shapes (bench/decode_bench.py),
 # or with MIXES the batch mixes of bench/decode_mixes_bench.py whose names contain one of its
