@@ -40,9 +40,11 @@ def _bind_on_import():
     if importlib.util.find_spec("torch_xla") is not None:
         from torch_xla_ext.binders.torch_xla_runtime import TorchXlaRuntime
         from torch_xla_ext.custom_call import install_gpu_custom_call
+        from torch_xla_ext.step import install_failure_hooks
 
         binders.add_runtime(TorchXlaRuntime())
         install_gpu_custom_call()
+        install_failure_hooks()  # a failed graph's error is raised once (see step.py)
 
 
 _bind_on_import()

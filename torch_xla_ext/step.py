@@ -1,33 +1,186 @@
-"""Running a torch_xla step so that one failed step does not fail the next one.
+"""A failed torch_xla execution raises its error once, and never again at a later, unrelated
+call.
 
-torch_xla 2.9 reports a failed execution twice: at the sync that ran it, and once more, as a
-copy it keeps in the device lock (DeviceLocker::exptr_), at the next call that takes that lock,
-usually the next, unrelated step (xla_graph_executor.cpp waits on `async->mwait` directly, not
-through LazyGraphExecutor::Async::Wait(), which would drop the copy). Waiting for the device
-right after the failure raises that copy and drops it.
+Why torch_xla 2.9 raises it again. A graph runs on torch_xla's thread pool holding the device
+lock (torch::lazy's DeviceLocker) until it has run. When it fails, the error goes two ways: to
+the caller waiting for that graph (a read of its results: `.cpu()`, `.item()`, printing;
+`torch_xla.sync(wait=True)`), and, as a copy, into the device lock, which raises it and drops it
+at the next call that takes the lock. The copy is meant for a graph nobody waits for (launched
+by `torch_xla.sync()`, which returns at once), but xla_graph_executor.cpp waits through
+`async->mwait.Wait()` directly, not through `LazyGraphExecutor::Async::Wait()`, which drops the
+copy of an error it has seen. So after a failed read, the next read or step, however unrelated,
+raises the same error again. And when that next call is a `torch_xla.sync()`, it has already
+detached its own tensors from their graphs when the lock raises: they are lost too.
+
+What `import torch_xla_ext` installs (install_failure_hooks), so that neither happens:
+- Reads: torch_xla's XLA kernels of `_to_copy` to the CPU (`.cpu()`, `.to("cpu")`, printing,
+  `.tolist()`) and of `_to_cpu` (`.item()` and every op that falls back to the CPU), and
+  `_XLAC._xla_get_cpu_tensors`: when one raises, the device lock is taken once more, which
+  drops the copy of that error.
+- Launches: `_XLAC._xla_step_marker` (`torch_xla.sync()`, `xm.mark_step()`) and
+  `_XLAC._xla_sync_multi` (`xm.unlazy`, the dynamo bridge) take the device lock first, before
+  they touch a tensor: the failure of a graph launched earlier that nobody waited for is raised
+  there, once, and the call's own tensors stay as they were (calling it again launches them).
+  When the call itself raises, the copy is dropped as for a read.
+So a graph launched by `torch_xla.sync()`, which fails after that call has returned, raises at
+the next call that waits for the device, whatever it reads, and only there. Not hooked: reads
+inside torch_xla's C++ that do not go through those kernels (`torch.equal`, a CPU tensor's
+`copy_` from an XLA one). A tensor left pending on a graph that failed (a read that computes a
+value from it, like `.item()`, leaves it pending, as torch_xla does) fails again in any later
+sync that includes it: let it go.
 """
 
 import contextlib
+import functools
+import warnings
+
+import torch
 
 from torch_xla_ext.errors import TorchXlaExtError
 
 # How the error of a step that failed on the device begins (both serving backends).
 STEP_FAILED = "the XLA step failed: "
 
+_library = None  # our XLA kernels of _to_copy and _to_cpu are registered while this lives
+_torch_xla_sync_multi = None  # torch_xla's own _xla_sync_multi: takes the lock, unwrapped
+_sync_multi = None  # and wrapped by _launch_reporting_once
+_get_cpu_tensors = None  # torch_xla's _xla_get_cpu_tensors, wrapped by _read_reporting_once
+_lock_anchors = {}  # XLA device -> a scalar held as device data on it
+
+
+def _xla_device(values):
+    """The device of the first XLA tensor among `values` (tensors or lists of them), or None."""
+    for value in values:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor) and item.device.type == "xla":
+                return item.device
+    return None
+
+
+def _default_device():
+    import torch_xla
+
+    return torch.device(torch_xla._XLAC._xla_get_default_device())
+
+
+def _take_device_lock(device):
+    """Takes and releases `device`'s lock, launching nothing; returns the failure torch_xla
+    had stored there (now dropped), or None."""
+    anchor = _lock_anchors.get(device)
+    if anchor is None:
+        anchor = _lock_anchors[device] = torch.zeros(()).to(device)
+    try:
+        # A tensor with data and no graph: syncing it only uploads it (once) and takes the lock.
+        _torch_xla_sync_multi([anchor], [], wait=False, sync_xla_data=False)
+    except RuntimeError as stored:
+        return stored
+    return None
+
+
+def _drop_stored_copy(error, device):
+    """After `error` reached the caller, drops the copy of it that torch_xla keeps in the
+    device lock, and returns what it took (None: nothing was stored). A different stored
+    failure (of a graph nobody waited for) is not dropped silently: it goes with `error` as a
+    note."""
+    stored = _take_device_lock(device)
+    if stored is not None and str(stored) != str(error):
+        error.add_note(f"A graph launched earlier on {device} failed too: {stored}")
+    return stored
+
+
+def _read_reporting_once(read):
+    @functools.wraps(read)
+    def call(*args, **kwargs):
+        try:
+            return read(*args, **kwargs)
+        except RuntimeError as error:
+            device = _xla_device(args)
+            if device is not None:
+                _drop_stored_copy(error, device)
+            raise
+    return call
+
+
+def _launch_reporting_once(launch, device_of):
+    @functools.wraps(launch)
+    def call(*args, **kwargs):
+        device = device_of(args, kwargs)
+        if device is None:
+            return launch(*args, **kwargs)
+        earlier = _take_device_lock(device)
+        if earlier is not None:
+            earlier.add_note(
+                "The failure of a graph launched earlier without waiting for it "
+                "(torch_xla.sync()), raised before this call ran anything: that graph's "
+                "results hold no value; this call's own tensors are as they were.")
+            raise earlier
+        try:
+            return launch(*args, **kwargs)
+        except RuntimeError as error:
+            _drop_stored_copy(error, device)
+            raise
+    return call
+
+
+def _step_marker_device(args, kwargs):
+    device = args[0] if args else kwargs.get("device", "")
+    return torch.device(device) if device else _default_device()
+
+
+def _sync_multi_device(args, kwargs):
+    return _xla_device([args[0] if args else kwargs.get("tensors", [])])
+
+
+# The read kernels wait and transfer through _xla_sync_multi and _xla_get_cpu_tensors, which let
+# go of the GIL meanwhile, as torch_xla's kernels do when torch calls them. A Python kernel holds
+# the GIL, and torch_xla 2.9 returns from a failed transfer without taking back a GIL it let go.
+
+def _to_copy_kernel(torch_xla_kernel):
+    def to_copy(keyset, tensor, *, device=None, **options):
+        if device is None or device.type != "cpu":  # a copy on the device: a graph, no read
+            return torch_xla_kernel.call_boxed(keyset, tensor, device=device, **options)
+        # As torch_xla's kernel: the tensor's pending graph runs and the tensor keeps its result.
+        _sync_multi([tensor], [], wait=True, sync_xla_data=False)
+        (host,) = _get_cpu_tensors([tensor])
+        return torch.ops.aten._to_copy.default(host, device=device, **options)
+    return to_copy
+
+
+def _to_cpu_kernel(keyset, tensors):
+    return _get_cpu_tensors(tensors)
+
+
+def install_failure_hooks():
+    """Wraps torch_xla's reads and launches as the module docstring says (once)."""
+    global _library, _torch_xla_sync_multi, _sync_multi, _get_cpu_tensors
+    if _library is not None:
+        return
+    from torch_xla import _XLAC
+
+    _torch_xla_sync_multi = _XLAC._xla_sync_multi
+    _sync_multi = _launch_reporting_once(_XLAC._xla_sync_multi, _sync_multi_device)
+    _get_cpu_tensors = _read_reporting_once(_XLAC._xla_get_cpu_tensors)
+    _XLAC._xla_sync_multi = _sync_multi
+    _XLAC._xla_get_cpu_tensors = _get_cpu_tensors
+    _XLAC._xla_step_marker = _launch_reporting_once(_XLAC._xla_step_marker, _step_marker_device)
+    library = torch.library.Library("aten", "IMPL")
+    to_copy = _to_copy_kernel(torch.library.get_kernel("aten::_to_copy", "XLA"))
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
+        warnings.simplefilter("ignore", UserWarning)
+        library.impl("_to_copy", to_copy, "XLA", with_keyset=True, allow_override=True)
+        library.impl("_to_cpu", _to_cpu_kernel, "XLA", with_keyset=True, allow_override=True)
+    _library = library
+
 
 @contextlib.contextmanager
 def failures_reported():
     """Runs torch_xla work (a sync that launches a step, a read of its results): a failed
-    execution raises TorchXlaExtError and leaves no stale copy of its error behind."""
-    import torch_xla.core.xla_model as xm
-
+    execution raises TorchXlaExtError and leaves no stale copy of its error behind, whatever
+    inside the block waited for it."""
     try:
         yield
     except RuntimeError as e:
-        try:
-            xm.wait_device_ops()  # raises torch_xla's stored copy of the error once, then drops it
-        except RuntimeError:
-            pass
+        _drop_stored_copy(e, _default_device())
         raise TorchXlaExtError(f"{STEP_FAILED}{e}") from e
 
 
