@@ -82,7 +82,5 @@ def test_sizes_it_cannot_split_name_the_argument(model):
     with pytest.raises(TorchXlaExtError, match=r"argument 'tensor_parallel_size': expected 1 \.\.\. "
                        r"4 \(the cpu devices JAX sees\), got 8"):
         Engine(model, backend="torchax", tensor_parallel_size=8, **ENGINE_ARGS)
-    with pytest.raises(TorchXlaExtError, match="the torch_xla backend runs on one device"):
-        Engine(model, backend="torch_xla", tensor_parallel_size=2, **ENGINE_ARGS)
     with pytest.raises(TorchXlaExtError, match="expected a positive integer, got 2.0"):
         Engine(model, backend="torchax", tensor_parallel_size=2.0, **ENGINE_ARGS)

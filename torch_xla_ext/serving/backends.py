@@ -12,7 +12,9 @@ device as the next step's `previous_tokens`.
              marked as buffer donors, so the graph writes them in place (input/output
              aliasing), not into copies. torch_xla waits for the step before it launches the
              next (its device lock), so what overlaps the running step is the host's
-             scheduling and packing of the next one.
+             scheduling and packing of the next one. Split over several devices
+             (tensor_parallel_size), it runs under torch_xla SPMD, and the step returns its
+             caches as new tensors (spmd.sharded's functional form) in the donated buffers.
   torchax    the step is a jax.jit function of plain JAX arrays, compiled once per shape, the
              caches donated (donate_argnums) and the executable called directly: torchax's
              tensors exist only while the step is traced, so a call converts nothing. On the
@@ -31,12 +33,14 @@ from torch_xla_ext.serving import llama
 from torch_xla_ext.step import STEP_FAILED, failures_reported
 
 
-def _map(fn, tree):
+def _map(fn, tree, *others):
+    """fn(leaf, *the leaves at the same place in `others`) over the nested dicts and lists of
+    `tree` (None leaves stay None)."""
     if isinstance(tree, dict):
-        return {k: _map(fn, v) for k, v in tree.items()}
+        return {k: _map(fn, v, *(o[k] for o in others)) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_map(fn, v) for v in tree)
-    return None if tree is None else fn(tree)
+        return type(tree)(_map(fn, *leaves) for leaves in zip(tree, *others))
+    return None if tree is None else fn(tree, *others)
 
 
 def _compiled(fn):
@@ -55,35 +59,112 @@ def _donated(caches):
         torch.ops.xla.dynamo_set_buffer_donor_(cache, True)
 
 
+# How each weight of a layer splits over the tensor parallel devices (mesh axis "tp", both
+# backends): the q/k/v and gate/up projections by output rows (llama.weights_from_hf groups
+# them shard by shard), o and down by input columns (their products are summed over the
+# devices: XLA's all-reduce); the rest is replicated. The caches split over kv heads
+# (dimension 2).
+_LAYER_SPLITS = {"qkv": ("tp",), "qkv_bias": ("tp",), "gate_up": ("tp",),
+                 "gate_up_bias": ("tp",), "o": (None, "tp"), "down": (None, "tp")}
+_CACHE_SPLIT = (None, None, "tp", None)
+# The head splits by vocabulary rows: each device reads its share of it, and XLA's argmax over
+# the split logits gathers only each device's best (value, index) per sequence. A tied head is
+# the embedding, which then splits too (its row gather becomes one all-reduce of the step's
+# [tokens, hidden]); an untied embedding stays whole (a step reads only its tokens' rows).
+_VOCAB_SPLIT = ("tp",)
+
+
+def _weight_splits(weights, tensor_parallel_size):
+    """How each of `weights` (weights_from_hf's dict) splits over a mesh of
+    tensor_parallel_size devices: a tree like it of partition specs (mesh axes per dimension,
+    trailing ones replicated)."""
+    head = "lm_head" if "lm_head" in weights else "embed"
+    vocab_splits = tensor_parallel_size > 1 and weights[head].shape[0] % tensor_parallel_size == 0
+    return {name: [{w: _LAYER_SPLITS.get(w, ()) for w in layer} for layer in weights["layers"]]
+            if name == "layers" else _VOCAB_SPLIT if name == head and vocab_splits else ()
+            for name in weights}
+
+
 class TorchXlaBackend:
+    """torch_xla's device; with tensor_parallel_size N > 1, torch_xla SPMD (switched on for
+    the whole process: xr.use_spmd) over a mesh of every device torch_xla sees (an SPMD mesh
+    spans them all), axes ("replica", "tp"): the model split over N devices as the torchax
+    backend splits it (_weight_splits, caches by kv heads), and replicated over the
+    devices / N groups of N when there are more devices. Our ops run on each device's heads
+    (spmd.sharded, inside the compiled step); XLA's partitioner adds the all-reduces."""
     name = "torch_xla"
 
     def __init__(self, tensor_parallel_size=1):
-        if tensor_parallel_size != 1:
-            raise TorchXlaExtError(f"Engine: argument 'tensor_parallel_size': the torch_xla "
-                                   f"backend runs on one device; expected 1, got "
-                                   f"{tensor_parallel_size} (backend='torchax' splits the model "
-                                   "over several)")
         import torch_xla
 
         import torch_xla_ext  # noqa: F401  (registers our ops and kernels)
 
+        self.tensor_parallel_size = tensor_parallel_size
+        self.mesh = None if tensor_parallel_size == 1 else self._mesh(tensor_parallel_size)
         self.device = torch_xla.device()
+        self._ops = None  # llama.forward's default: our ops on whole tensors
+        if self.mesh is not None:
+            from torch_xla_ext import spmd
+
+            self._ops = llama.AttentionOps(
+                write_kv=spmd.sharded("kv_cache_update", self.mesh, heads="tp",
+                                      functional=True),
+                attend=spmd.sharded("ragged_paged_attention", self.mesh, heads="tp"))
         self._steps = {}  # (shape, layout, with_logits) -> the compiled step
 
+    @staticmethod
+    def _mesh(tensor_parallel_size):
+        import numpy as np
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        count = xr.global_runtime_device_count()
+        if not 1 <= tensor_parallel_size <= count or count % tensor_parallel_size:
+            raise TorchXlaExtError(
+                f"Engine: argument 'tensor_parallel_size': expected a divisor of the {count} "
+                f"{xr.device_type()} devices torch_xla sees (a torch_xla SPMD mesh spans them "
+                f"all; the model is replicated over the groups), got {tensor_parallel_size}")
+        if not xr.is_spmd():
+            if torch_xla._XLAC._xla_get_spmd_config_is_locked():
+                # Switching SPMD on now would re-place the live tensors on the SPMD device,
+                # which fails in torch_xla 2.9 (a crash, or a tensor "in flight").
+                raise TorchXlaExtError(
+                    f"Engine: argument 'tensor_parallel_size' = {tensor_parallel_size} needs "
+                    "torch_xla SPMD, which is switched on for the whole process, and this "
+                    "process has used its torch_xla device without it: call "
+                    "torch_xla.runtime.use_spmd() at its start, before any XLA tensor exists")
+            xr.use_spmd()
+        return xs.Mesh(np.arange(count), (count // tensor_parallel_size, tensor_parallel_size),
+                       ("replica", "tp"))
+
+    def _split(self, tensor, spec):
+        """`tensor` marked split over the mesh as `spec` (axes of its leading dimensions)."""
+        import torch_xla.distributed.spmd as xs
+
+        spec = tuple(spec) + (None,) * (tensor.dim() - len(spec))
+        xs.mark_sharding(tensor, self.mesh, spec)
+        return tensor
+
     def put(self, weights):
-        """The weights on the device, materialised before the first step."""
+        """The weights on the device, split over the mesh (_weight_splits) where there is one,
+        materialised before the first step."""
         import torch_xla_ext
 
+        splits = _weight_splits(weights, self.tensor_parallel_size)
         weights = _map(lambda t: t.to(self.device), weights)
+        if self.mesh is not None:
+            weights = _map(self._split, weights, splits)
         torch_xla_ext.sync()
         return weights
 
     def new_caches(self, shapes, dtype):
-        """Zeroed caches on the device, materialised."""
+        """Zeroed caches on the device, split by kv heads on the mesh, materialised."""
         import torch_xla_ext
 
         caches = [torch.zeros(s, dtype=dtype, device=self.device) for s in shapes]
+        if self.mesh is not None:
+            caches = [self._split(cache, _CACHE_SPLIT) for cache in caches]
         torch_xla_ext.sync()
         return caches
 
@@ -105,7 +186,7 @@ class TorchXlaBackend:
             def step(weights, caches, packed, previous_tokens):
                 _donated(caches)
                 return llama.forward(shape, layout, with_logits, weights, caches, packed,
-                                     previous_tokens)
+                                     previous_tokens, self._ops)
 
             self._steps[key] = _compiled(step)
         return self._steps[key]
@@ -136,7 +217,7 @@ class TorchXlaBackend:
             def step(weights, caches, packed, steps_left, previous_tokens):
                 _donated(caches)
                 outputs, caches = llama.forward(shape, layout, False, weights, caches, packed,
-                                                previous_tokens)
+                                                previous_tokens, self._ops)
                 return (outputs, *llama.next_decode_batch(layout, page_size, packed, steps_left),
                         caches)
 
@@ -146,20 +227,6 @@ class TorchXlaBackend:
     def fetch(self, outputs):
         with failures_reported():
             return [o.cpu().numpy() for o in outputs]
-
-
-# How each weight of a layer splits over the tensor parallel devices (mesh axis "tp"): the
-# q/k/v and gate/up projections by output rows (llama.weights_from_hf groups them shard by
-# shard), o and down by input columns (their products are summed over the devices: XLA's
-# all-reduce); the rest is replicated. The caches split over kv heads (dimension 2).
-_LAYER_SPLITS = {"qkv": ("tp",), "qkv_bias": ("tp",), "gate_up": ("tp",),
-                 "gate_up_bias": ("tp",), "o": (None, "tp"), "down": (None, "tp")}
-_CACHE_SPLIT = (None, None, "tp", None)
-# The head splits by vocabulary rows: each device reads its share of it, and XLA's argmax over
-# the split logits gathers only each device's best (value, index) per sequence. A tied head is
-# the embedding, which then splits too (its row gather becomes one all-reduce of the step's
-# [tokens, hidden]); an untied embedding stays whole (a step reads only its tokens' rows).
-_VOCAB_SPLIT = ("tp",)
 
 
 class TorchaxBackend:
@@ -192,17 +259,11 @@ class TorchaxBackend:
 
     def put(self, weights):
         """The weights as JAX arrays on the mesh (a pytree of them), split for tensor
-        parallelism (_LAYER_SPLITS) where the mesh has several devices."""
+        parallelism (_weight_splits) where the mesh has several devices."""
         weights = _map(lambda t: t.cpu(), weights)  # outside the environment: torch's own .cpu()
         with self.env:
             weights = _map(lambda t: t.to("jax").jax(), weights)
-        layers = [{name: None if w is None else self._placed(w, _LAYER_SPLITS.get(name, ()))
-                   for name, w in layer.items()} for layer in weights["layers"]]
-        head = "lm_head" if "lm_head" in weights else "embed"
-        splits = self.mesh.size > 1 and weights[head].shape[0] % self.mesh.size == 0
-        return {name: layers if name == "layers" else
-                self._placed(w, _VOCAB_SPLIT if name == head and splits else ())
-                for name, w in weights.items()}
+        return _map(self._placed, weights, _weight_splits(weights, self.mesh.size))
 
     def new_caches(self, shapes, dtype):
         """Zeroed caches on the mesh, split by kv heads (_CACHE_SPLIT)."""

@@ -97,8 +97,10 @@ class Engine:
         launch the next step before waiting for the current one (module docstring).
         max_decode_steps: this many decode steps in one launch when only decodes run (module
         docstring); 1 launches every step alone. tensor_parallel_size: the devices the model
-        is split over (vLLM's name; torchax backend): heads and MLP rows per device, caches by
-        kv heads, an all-reduce after attention and after the MLP of each layer."""
+        is split over (vLLM's name): heads and MLP rows per device, caches by kv heads, an
+        all-reduce after attention and after the MLP of each layer; torchax uses the first N
+        devices, torch_xla switches SPMD on for the process and replicates the split model
+        over every group of N devices it sees (backends.TorchXlaBackend)."""
         if backend not in backends.BACKENDS:
             raise TorchXlaExtError(f"Engine: argument 'backend': expected one of "
                                    f"{sorted(backends.BACKENDS)}, got {backend!r}")

@@ -10,6 +10,7 @@ attends with torch.ops.xla_ext.ragged_paged_attention; the step ends with greedy
 """
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -134,13 +135,32 @@ def _rotate(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens):
+@dataclasses.dataclass(frozen=True)
+class AttentionOps:
+    """The ops a layer attends with: write_kv(key, value, cache, slot_mapping) returns the cache
+    holding the step's K/V (the same tensor, written in place, or a new one), and
+    attend(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=...) is
+    ragged_paged_attention."""
+    write_kv: Callable
+    attend: Callable
+
+
+def _write_kv_in_place(key, value, cache, slot_mapping):
+    torch.ops.xla_ext.kv_cache_update(key, value, cache, slot_mapping)
+    return cache
+
+
+def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens, ops=None):
     """One step: the batch `packed` (batch.StepLayout `layout`) through every layer, each
-    writing its K/V into caches[layer] in place. A token id -1 - r in the batch is the token the
+    writing its K/V into caches[layer]. A token id -1 - r in the batch is the token the
     previous step sampled in its row r: previous_tokens[r] (int32 [max_num_seqs], that step's
-    first result, still on the device). Returns ((token ids [max_num_seqs] int32, the greedy
-    pick for each sequence's last row in this step) + (logits [max_num_seqs, vocab] when
-    with_logits), caches)."""
+    first result, still on the device). `ops` (AttentionOps): default our ops on whole
+    tensors, the caches written in place; torch_xla's tensor parallel step passes them split
+    over its mesh (spmd.sharded), returning new caches. Returns ((token ids [max_num_seqs]
+    int32, the greedy pick for each sequence's last row in this step) + (logits
+    [max_num_seqs, vocab] when with_logits), the caches written)."""
+    if ops is None:
+        ops = AttentionOps(_write_kv_in_place, torch.ops.xla_ext.ragged_paged_attention)
     inputs = layout.unpack(packed)
     t, h, kvh, d = layout.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
     n = shape.shards
@@ -149,15 +169,16 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     token_ids = inputs["token_ids"]
     fed_back = previous_tokens[(-1 - token_ids).clamp(min=0)]
     x = F.embedding(torch.where(token_ids >= 0, token_ids, fed_back), weights["embed"])
+    written = []
     for layer, cache in zip(weights["layers"], caches):
         qkv = F.linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
                        layer["qkv_bias"]).reshape(t, n, -1)  # shard by shard (LlamaShape.shards)
         q, k, v = qkv.split([h // n * d, kvh // n * d, kvh // n * d], dim=-1)
         q = _rotate(q.reshape(t, h, d), cos, sin)
         k = _rotate(k.reshape(t, kvh, d), cos, sin)
-        torch.ops.xla_ext.kv_cache_update(k, v.reshape(t, kvh, d), cache,
-                                          inputs["slot_mapping"])
-        attn = torch.ops.xla_ext.ragged_paged_attention(
+        cache = ops.write_kv(k, v.reshape(t, kvh, d), cache, inputs["slot_mapping"])
+        written.append(cache)
+        attn = ops.attend(
             q, cache, inputs["kv_lens"], inputs["page_indices"], inputs["cu_q_lens"],
             inputs["num_seqs"], sm_scale=shape.sm_scale)
         x = x + F.linear(attn.reshape(t, h * d), layer["o"], layer["o_bias"])
@@ -167,7 +188,7 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     last = _rms_norm(x[inputs["sample_rows"]], weights["norm"], shape.rms_norm_eps)
     logits = F.linear(last, weights.get("lm_head", weights["embed"]))
     token_ids = logits.argmax(dim=-1).to(torch.int32)
-    return ((token_ids, logits.float()) if with_logits else (token_ids,)), caches
+    return ((token_ids, logits.float()) if with_logits else (token_ids,)), written
 
 
 def next_decode_batch(layout, page_size, packed, steps_left):
