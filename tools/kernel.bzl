@@ -13,6 +13,7 @@ def xla_ext_kernel(op, cuda_deps = []):
         name = op + "_h",
         hdrs = [op + ".h"],
         deps = [
+            "//kernels/common:contract",
             "//kernels/common:data_checks",
             "//kernels/common:errors",
         ],

@@ -1,4 +1,6 @@
-"""Loads a kernel library and reads its static handler table (kernels/registry/registry.h)."""
+"""Loads a kernel library and reads its static handler table (kernels/registry/registry.h):
+its handlers, and its ops' contracts (the values their sizes and dtypes may take, and the
+generic workspace query, kernels/registry/kernel_table.h)."""
 
 import ctypes
 import dataclasses
@@ -51,6 +53,45 @@ class Kernel:
     traits: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """An op's contract as its C++ header declares it (kernel_table.h's XlaExtContract)."""
+
+    target: str
+    supported: tuple  # ((name, argument, values), ...), e.g. ("head_size", "query", (64, ...))
+
+    def values(self, name, argument):
+        """The values `name` of `argument` may take (sizes, or XLA FFI dtype numbers for
+        "dtype"), in the order the C++ declares them."""
+        for entry_name, entry_argument, values in self.supported:
+            if (entry_name, entry_argument) == (name, argument):
+                return values
+        raise TorchXlaExtError(f"{self.target}'s contract lists no {name} of '{argument}'; it "
+                               f"lists {[entry[:2] for entry in self.supported]}")
+
+
+# kernel_table.h's structs of the contract and of the workspace query (fixed layouts: a new
+# field would come in a new struct that a later version of XlaExtContract points to).
+class _SupportedValues(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("argument", ctypes.c_char_p),
+                ("num_values", ctypes.c_uint32), ("values", ctypes.POINTER(ctypes.c_int64))]
+
+
+class _OperandShape(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int32), ("rank", ctypes.c_uint32),
+                ("dims", ctypes.POINTER(ctypes.c_int64))]
+
+
+class _ScalarAttribute(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_double)]
+
+
+class _CallShape(ctypes.Structure):
+    _fields_ = [("num_operands", ctypes.c_uint32), ("operands", ctypes.POINTER(_OperandShape)),
+                ("num_attributes", ctypes.c_uint32),
+                ("attributes", ctypes.POINTER(_ScalarAttribute))]
+
+
 class KernelLibrary:
     """A shared object with an `xla_ext_kernel_table` symbol, and the table it returns."""
 
@@ -84,6 +125,9 @@ class KernelLibrary:
         self.ffi_version = (major.value, minor.value)
         self.kernels = tuple(_read_kernel(binder, self.table_address, i)
                              for i in range(count.value))
+        self.contracts = {c.target: c for c in (
+            _read_contract(binder, self.table_address, i)
+            for i in range(binder.xla_ext_table_num_contracts(self.table_address)))}
 
     def function(self, name):
         """The library's exported C function `name` (ctypes: set its restype and argtypes)."""
@@ -96,6 +140,38 @@ class KernelLibrary:
     def targets(self):
         return sorted({k.target for k in self.kernels})
 
+    def contract(self, target):
+        """The contract the library declares for `target`."""
+        try:
+            return self.contracts[target]
+        except KeyError:
+            raise TorchXlaExtError(f"{self.path} declares no contract for {target}: it was built "
+                                   "from other sources than this package; rebuild it") from None
+
+    @functools.cached_property
+    def _workspace_bytes(self):
+        fn = self.function("xla_ext_workspace_bytes")
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_CallShape)]
+        return fn
+
+    def workspace_bytes(self, target, device, operands, attributes):
+        """Bytes of workspace `target`'s CUDA handler needs for a call of `operands`
+        [(XLA FFI dtype number, shape)], in the order the handler binds them, and
+        `attributes` [(name, value)], on CUDA device `device` (-1: any visible one); 0 for a
+        call the handler rejects or where no GPU is visible."""
+        dims = [(ctypes.c_int64 * len(shape))(*shape) for _, shape in operands]
+        shapes = (_OperandShape * len(operands))(
+            *(_OperandShape(dtype, len(shape), d) for (dtype, shape), d in zip(operands, dims)))
+        attrs = (_ScalarAttribute * len(attributes))(
+            *(_ScalarAttribute(name.encode(), value) for name, value in attributes))
+        call = _CallShape(len(operands), shapes, len(attributes), attrs)
+        size = self._workspace_bytes(target.encode(), device, ctypes.byref(call))
+        if size < 0:
+            raise TorchXlaExtError(f"{self.path} has no workspace query for {target}: it was "
+                                   "built from other sources than this package; rebuild it")
+        return size
+
     def __repr__(self):
         return f"KernelLibrary({self.path!r}, {len(self.kernels)} kernels)"
 
@@ -106,6 +182,16 @@ def _read_kernel(binder, table, index):
     binder.xla_ext_table_kernel(table, index, ctypes.byref(target), ctypes.byref(platform),
                                 ctypes.byref(handler), ctypes.byref(traits))
     return Kernel(target.value.decode(), platform.value.decode(), handler.value, traits.value)
+
+
+def _read_contract(binder, table, index):
+    target, count, supported = ctypes.c_char_p(), ctypes.c_uint32(), ctypes.c_void_p()
+    binder.xla_ext_table_contract(table, index, ctypes.byref(target), ctypes.byref(count),
+                                  ctypes.byref(supported))
+    entries = ctypes.cast(supported, ctypes.POINTER(_SupportedValues))
+    return Contract(target.value.decode(), tuple(
+        (e.name.decode(), e.argument.decode(), tuple(e.values[:e.num_values]))
+        for e in entries[:count.value]))
 
 
 _builtin = None
@@ -138,6 +224,10 @@ def binder_dll():
         ctypes.c_char_p, ctypes.c_size_t]
     dll.xla_ext_table_kernel.restype = None
     dll.xla_ext_table_kernel.argtypes = [ctypes.c_void_p, ctypes.c_uint32] + [ctypes.c_void_p] * 4
+    dll.xla_ext_table_num_contracts.restype = ctypes.c_uint32
+    dll.xla_ext_table_num_contracts.argtypes = [ctypes.c_void_p]
+    dll.xla_ext_table_contract.restype = None
+    dll.xla_ext_table_contract.argtypes = [ctypes.c_void_p, ctypes.c_uint32] + [ctypes.c_void_p] * 3
     dll.xla_ext_ffi_api_version.restype = None
     dll.xla_ext_ffi_api_version.argtypes = [ctypes.c_void_p] * 4
     dll.xla_ext_pjrt_api_version.restype = None

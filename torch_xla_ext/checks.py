@@ -3,16 +3,33 @@
 The shape checks read only `.shape` and `.dtype` (torch, numpy or JAX arrays), so a bad call
 fails at the call site, before anything is traced or executed, with the same message
 everywhere. The value checks take NumPy arrays, where a front end has the values at hand.
+The sizes and dtypes an op supports are its C++ contract's (`supported`), read from the
+kernel library, never restated here.
 """
+
+import functools
 
 import numpy as np
 
+from torch_xla_ext import _kernels, dtypes
 from torch_xla_ext.dtypes import CACHE_DTYPES, FLOAT_DTYPES
 from torch_xla_ext.dtypes import name as dtype_name
 from torch_xla_ext.errors import TorchXlaExtError
 
-HEAD_SIZES = (64, 80, 96, 112, 128, 256)
-BLOCK_SIZES = (8, 16, 32)
+PAGED_ATTENTION = "xla_ext.paged_attention"
+RAGGED_PAGED_ATTENTION = "xla_ext.ragged_paged_attention"
+_DTYPE_NAMES = {entry.ffi_id: name for name, entry in dtypes.DTYPES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def supported(target, name, argument):
+    """The values `name` of `argument` may take in op `target`, as its C++ contract declares
+    them (kernels/<op>/<op>.h, exported through the kernel table): a tuple of sizes, or of
+    dtype names for name "dtype"."""
+    values = _kernels.builtin_library().contract(target).values(name, argument)
+    return tuple(_DTYPE_NAMES[v] for v in values) if name == "dtype" else values
+
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2 ** 31 - 1
 
@@ -69,21 +86,23 @@ def simple_add(a, b):
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, softcap,
                     alibi_slopes):
-    op = "xla_ext.paged_attention"
+    op = PAGED_ATTENTION
     _check_rank(op, "query", query, 3, "[num_seqs, num_heads, head_size]")
-    _check_dtype(op, "query", query, FLOAT_DTYPES)
+    _check_dtype(op, "query", query, supported(op, "dtype", "query"))
     _check_rank(op, "key_cache", key_cache, 4,
                 "[num_blocks, block_size, num_kv_heads, head_size]")
     _check_same_dtype(op, "key_cache", key_cache, "query", query)
     num_seqs, num_heads, head_size = _shape(query)
     _, block_size, num_kv_heads, cache_head_size = _shape(key_cache)
-    if head_size not in HEAD_SIZES:
-        _fail(op, "query", f"head_size in {list(HEAD_SIZES)}", f"{head_size}")
+    head_sizes = supported(op, "head_size", "query")
+    if head_size not in head_sizes:
+        _fail(op, "query", f"head_size in {list(head_sizes)}", f"{head_size}")
     if cache_head_size != head_size:
         _fail(op, "key_cache", f"head_size {head_size} in dimension 3 (as 'query')",
               f"{cache_head_size}")
-    if block_size not in BLOCK_SIZES:
-        _fail(op, "key_cache", f"block_size in {list(BLOCK_SIZES)}", f"{block_size}")
+    block_sizes = supported(op, "block_size", "key_cache")
+    if block_size not in block_sizes:
+        _fail(op, "key_cache", f"block_size in {list(block_sizes)}", f"{block_size}")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         _fail(op, "key_cache", f"num_kv_heads dividing num_heads={num_heads}", f"{num_kv_heads}")
     _check_same(op, "value_cache", value_cache, "key_cache", key_cache)
@@ -214,16 +233,14 @@ def slice_values(slot_mapping, num_kv_update_slices, num_new_rows, num_cache_row
               f"{new_start[i]}, length[{i}] = {length[i]}")
 
 
-RAGGED_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
-RAGGED_PAGE_SIZES = (8, 16, 32, 64, 128)
 MAX_GQA_GROUP = 16
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
                            sliding_window, soft_cap, mask_value, k_scale, v_scale):
-    op = "xla_ext.ragged_paged_attention"
+    op = RAGGED_PAGED_ATTENTION
     _check_rank(op, "q", q, 3, "[max_num_batched_tokens, num_q_heads, head_dim]")
-    _check_dtype(op, "q", q, FLOAT_DTYPES)
+    _check_dtype(op, "q", q, supported(op, "dtype", "q"))
     _check_rank(op, "kv_pages", kv_pages, 4,
                 "[total_num_pages, page_size, 2 * num_kv_heads, head_dim]")
     fp8_ok = dtype_name(q.dtype) != "float32"
@@ -233,12 +250,14 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
               + (" or float8_e4m3fn" if fp8_ok else ""), f"dtype {dtype_name(kv_pages.dtype)}")
     _, num_q_heads, head_dim = _shape(q)  # any number of rows: unowned ones are padding
     _, page_size, combined_heads, kv_head_dim = _shape(kv_pages)
-    if head_dim not in RAGGED_HEAD_DIMS:
-        _fail(op, "q", f"head_dim in {list(RAGGED_HEAD_DIMS)}", f"{head_dim}")
+    head_dims = supported(op, "head_dim", "q")
+    if head_dim not in head_dims:
+        _fail(op, "q", f"head_dim in {list(head_dims)}", f"{head_dim}")
     if kv_head_dim != head_dim:
         _fail(op, "kv_pages", f"head_dim {head_dim} in dimension 3 (as 'q')", f"{kv_head_dim}")
-    if page_size not in RAGGED_PAGE_SIZES:
-        _fail(op, "kv_pages", f"page_size in {list(RAGGED_PAGE_SIZES)}", f"{page_size}")
+    page_sizes = supported(op, "page_size", "kv_pages")
+    if page_size not in page_sizes:
+        _fail(op, "kv_pages", f"page_size in {list(page_sizes)}", f"{page_size}")
     num_kv_heads = combined_heads // 2
     if combined_heads % 2 or num_kv_heads == 0 or num_q_heads % num_kv_heads \
             or num_q_heads // num_kv_heads > MAX_GQA_GROUP:

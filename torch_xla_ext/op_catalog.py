@@ -48,7 +48,7 @@ PAGED_ATTENTION = OpDef(
     absent={"alibi_slopes": ((0,), "float32")},  # the handlers read [0] elements as no ALiBi
     attributes={"scale": "float32", "softcap": "float32"},
     results=_same_as("query"),
-    workspace=workspace.paged_attention,
+    workspace=workspace.workspace_bytes,
     check=checks.paged_attention,
     layout=Layout(
         operands={"query": "seqs (kv_heads group) head_size",
@@ -159,7 +159,7 @@ RAGGED_PAGED_ATTENTION = OpDef(
     attribute_none={"sliding_window": 0, "soft_cap": 0.0, "mask_value": DEFAULT_MASK_VALUE,
                     "k_scale": 1.0, "v_scale": 1.0},
     results=_same_as("q"),
-    workspace=workspace.ragged_paged_attention,
+    workspace=workspace.workspace_bytes,
     check=checks.ragged_paged_attention,
     # Tokens do not split: cu_q_lens numbers them across the whole batch.
     layout=Layout(

@@ -44,8 +44,8 @@ class OpDef:
     # batch); jax_ops' custom partitioning and the shard_map and torch_xla SPMD helpers read it.
     layout: Optional[Layout] = None
     # Bytes of scratch the CUDA handler takes as its last result (workspace.py):
-    # workspace(args, attribute values, CUDA device ordinal or workspace.ANY_GPU). The front
-    # ends add that result to the custom call and drop it from what they return.
+    # workspace(op, args, attribute values, CUDA device ordinal or workspace.ANY_GPU). The
+    # front ends add that result to the custom call and drop it from what they return.
     workspace: Optional[Callable] = None
 
     @functools.cached_property
@@ -123,7 +123,7 @@ class OpDef:
         workspace.ANY_GPU; None off the GPU: empty)."""
         results = list(self.results(args))
         if self.workspace is not None:
-            size = 0 if gpu is None else self.workspace(args, attributes, gpu)
+            size = 0 if gpu is None else self.workspace(self, args, attributes, gpu)
             results.append(((size,), "uint8"))
         return results
 

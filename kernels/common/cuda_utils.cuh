@@ -188,7 +188,7 @@ class DeviceGuard {
   bool ok_ = false;
 };
 
-// For a front end's workspace size query (an op's exported xla_ext_<op>_workspace_bytes): the
+// For an op's workspace size query (its contract's workspace_bytes, kernel_table.h): the
 // bytes `plan(device_info, workspace)` takes, with a measuring workspace and nothing launched,
 // on CUDA device `device`, or with device -1 the most it takes on any visible device; 0 where
 // no device is visible or the plan fails (the handler reports that itself).
@@ -210,13 +210,6 @@ int64_t WorkspaceBytes(int device, PlanFn&& plan) {
   int64_t most = 0;
   for (int d = 0; d < devices; ++d) most = std::max(most, on(d));
   return most;
-}
-
-// A buffer of a call that a size query knows by its shape alone: no data, for the handler's
-// checks.
-inline XLA_FFI_Buffer DatalessBuffer(int dtype, const int64_t* dims, int64_t rank) {
-  return XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(dtype),
-                        nullptr, rank, const_cast<int64_t*>(dims)};
 }
 
 // CTAs of `kernel` an SM holds with `shared_bytes` of dynamic shared memory (0 if the runtime

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -85,9 +86,13 @@ inline ffi::Error CheckWorkspace(std::string_view op, const ffi::AnyBuffer& work
   return CheckRank(op, "workspace", workspace, 1);
 }
 
+// The dtypes of the ops' float arguments (as XLA_FFI_DataType values, for the ops' contracts).
+inline constexpr int64_t kFloatDTypes[] = {XLA_FFI_DataType_F32, XLA_FFI_DataType_F16,
+                                           XLA_FFI_DataType_BF16};
+
 inline bool IsFloatType(ffi::DataType dtype) {
-  return dtype == ffi::DataType::F32 || dtype == ffi::DataType::F16 ||
-         dtype == ffi::DataType::BF16;
+  return std::find(std::begin(kFloatDTypes), std::end(kFloatDTypes),
+                   static_cast<int64_t>(dtype)) != std::end(kFloatDTypes);
 }
 
 inline ffi::Error CheckFloatType(std::string_view op, std::string_view arg,

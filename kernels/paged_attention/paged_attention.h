@@ -12,9 +12,9 @@
 //   out           [num_seqs, num_heads, head_size], dtype of query
 //   workspace     [bytes] u8: the CUDA handler's scratch (the split sequences' partial
 //                 results), so that XLA allocates it with the call's other buffers and a command
-//                 buffer can replay the call; the front ends size it
-//                 (xla_ext_paged_attention_workspace_bytes) and drop it. Too small:
-//                 InvalidArgument. The Host handler needs none (any size).
+//                 buffer can replay the call; the front ends size it (the library's
+//                 xla_ext_workspace_bytes, which asks this op's contract) and drop it. Too
+//                 small: InvalidArgument. The Host handler needs none (any size).
 //
 // For query head h (kv head h / (num_heads / num_kv_heads)) and token t < seq_len:
 //   logit = scale * q.k_t; if softcap > 0: logit = softcap * tanh(logit / softcap);
@@ -37,6 +37,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/contract.h"
 #include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
@@ -44,16 +45,15 @@ namespace xla_ext::paged_attention {
 
 inline constexpr char kTarget[] = "xla_ext.paged_attention";
 
-inline bool IsSupportedHeadSize(int64_t head_size) {
-  switch (head_size) {
-    case 64: case 80: case 96: case 112: case 128: case 256: return true;
-    default: return false;
-  }
-}
-
-inline bool IsSupportedBlockSize(int64_t block_size) {
-  return block_size == 8 || block_size == 16 || block_size == 32;
-}
+// The op's contract (kernels/common/contract.h): the values Check accepts, the ones the CUDA
+// kernels are built for, and the ones the front ends read from the kernel table.
+inline constexpr int64_t kHeadSizes[] = {64, 80, 96, 112, 128, 256};
+inline constexpr int64_t kBlockSizes[] = {8, 16, 32};
+inline constexpr XlaExtSupportedValues kSupported[] = {
+    contract::Supported("dtype", "query", kFloatDTypes),
+    contract::Supported("head_size", "query", kHeadSizes),
+    contract::Supported("block_size", "key_cache", kBlockSizes),
+};
 
 struct Shapes {
   int64_t num_seqs;
@@ -93,8 +93,8 @@ inline ffi::Error Check(const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_c
   shapes = Shapes{q[0], q[1], q[2], kc[0], kc[1], kc[2], block_tables.dimensions()[1],
                   alibi_slopes.dimensions()[0] != 0};
 
-  if (!IsSupportedHeadSize(shapes.head_size)) {
-    return ArgumentError(kTarget, "query", "head_size (dim 2) 64, 80, 96, 112, 128 or 256",
+  if (!contract::Contains(kHeadSizes, shapes.head_size)) {
+    return ArgumentError(kTarget, "query", "head_size (dim 2) " + contract::OneOf(kHeadSizes),
                          std::to_string(shapes.head_size) + " in shape " + ShapeString(q));
   }
   if (kc[3] != shapes.head_size) {
@@ -103,8 +103,9 @@ inline ffi::Error Check(const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_c
                              " (the query's)",
                          "shape " + ShapeString(kc));
   }
-  if (!IsSupportedBlockSize(shapes.block_size)) {
-    return ArgumentError(kTarget, "key_cache", "block_size (dim 1) 8, 16 or 32",
+  if (!contract::Contains(kBlockSizes, shapes.block_size)) {
+    return ArgumentError(kTarget, "key_cache",
+                         "block_size (dim 1) " + contract::OneOf(kBlockSizes),
                          std::to_string(shapes.block_size) + " in shape " + ShapeString(kc));
   }
   if (shapes.num_kv_heads == 0 || shapes.num_heads % shapes.num_kv_heads != 0) {

@@ -10,6 +10,7 @@
 // whose CTAs past a sequence's end return at once).
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -80,22 +81,15 @@ struct Kernels {
   }
 };
 
-// Calls fn(Kernels<T, head_size>{}) for the query's element type T; a head size without
-// kernels is an error.
+// Calls fn(Kernels<T, head_size>{}) for the query's element type T, with kernels built for
+// every head size of the contract (kHeadSizes); another head size is an error.
 template <typename Fn>
 ffi::Error DispatchKernels(ffi::DataType dtype, int64_t head_size, Fn&& fn) {
   bool found = true;
   XLA_EXT_RETURN_IF_ERROR(cuda::DispatchFloat(kTarget, dtype, [&](auto zero) {
     using T = decltype(zero);
-    switch (head_size) {
-      case 64: fn(Kernels<T, 64>{}); break;
-      case 80: fn(Kernels<T, 80>{}); break;
-      case 96: fn(Kernels<T, 96>{}); break;
-      case 112: fn(Kernels<T, 112>{}); break;
-      case 128: fn(Kernels<T, 128>{}); break;
-      case 256: fn(Kernels<T, 256>{}); break;
-      default: found = false;
-    }
+    found = contract::Dispatch<kHeadSizes>(
+        head_size, [&](auto size) { fn(Kernels<T, decltype(size)::value>{}); });
   }));
   return found ? ffi::Error::Success()
                : NoKernelError(kTarget, "head_size", std::to_string(head_size));
@@ -122,7 +116,8 @@ ffi::Error PlanCall(const Shapes& s, ffi::DataType dtype, float scale, float sof
   p.num_kv_heads = static_cast<int>(s.num_kv_heads);
   p.num_blocks = static_cast<int>(std::min<int64_t>(s.num_blocks, INT32_MAX));
   p.max_blocks_per_seq = static_cast<int>(s.max_blocks_per_seq);
-  p.log2_block_size = s.block_size == 8 ? 3 : s.block_size == 16 ? 4 : 5;
+  p.log2_block_size = 0;  // block sizes are powers of two (kBlockSizes)
+  while ((int64_t{1} << p.log2_block_size) < s.block_size) ++p.log2_block_size;
   p.partition_len = plan.partition_len;
   p.num_partitions = static_cast<int>(plan.num_partitions);
   p.num_records = static_cast<int>(records);
@@ -184,6 +179,28 @@ ffi::Error PagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::An
   return cuda::LastLaunchError(kTarget);
 }
 
+// The contract's workspace query (kernel_table.h): the call's operands are the handler's, in
+// its binding order (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes).
+int64_t WorkspaceBytes(int device, const XlaExtCallShape* call) {
+  constexpr uint32_t kOperands = 6;
+  if (call->num_operands != kOperands) return 0;
+  XLA_FFI_Buffer b[kOperands];
+  for (uint32_t i = 0; i < kOperands; ++i) b[i] = contract::OperandBuffer(*call, i);
+  const ffi::AnyBuffer query(&b[0]);
+  Shapes s;
+  if (Check(query, ffi::AnyBuffer(&b[1]), ffi::AnyBuffer(&b[2]), ffi::AnyBuffer(&b[3]),
+            ffi::AnyBuffer(&b[4]), ffi::AnyBuffer(&b[5]), query, s)
+          .failure() ||
+      s.num_seqs == 0 || s.num_heads == 0) {
+    return 0;  // the handler rejects it, or launches nothing
+  }
+  return cuda::WorkspaceBytes(device, [&](const auto& info, auto& workspace) {
+    Plan plan;
+    Params p;
+    return PlanCall(s, query.element_type(), 1.0f, 0.0f, info, workspace, plan, p);
+  });
+}
+
 // Not in a CUDA graph's way: no host synchronisation, and its scratch is the workspace result
 // (XLA's own buffer), not an allocation at every call.
 XLA_FFI_DEFINE_HANDLER(kPagedAttentionCuda, PagedAttentionCuda,
@@ -194,39 +211,7 @@ XLA_FFI_DEFINE_HANDLER(kPagedAttentionCuda, PagedAttentionCuda,
 
 XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kPagedAttentionCuda,
                         XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{
+    0, kTarget, static_cast<uint32_t>(std::size(kSupported)), kSupported, WorkspaceBytes});
 
 }  // namespace xla_ext::paged_attention
-
-// For the front ends, which size the op's workspace result when they build the call: the bytes
-// a call with these shapes (query [3], key_cache [4] and block_tables [2] dimensions; the
-// query's XLA_FFI_DataType, which the caches share) needs on CUDA device `device`, or with
-// device -1 the most any visible device needs; 0 where no device is visible or where the
-// handler rejects the call (it says why itself).
-extern "C" __attribute__((visibility("default"))) int64_t xla_ext_paged_attention_workspace_bytes(
-    int device, int dtype, const int64_t* query_dims, const int64_t* cache_dims,
-    const int64_t* block_tables_dims) {
-  namespace pa = xla_ext::paged_attention;
-  using xla_ext::cuda::DatalessBuffer;
-  const int64_t seq_lens_dims[] = {block_tables_dims[0]};
-  const int64_t no_alibi_dims[] = {0};
-  const XLA_FFI_Buffer query = DatalessBuffer(dtype, query_dims, 3);
-  const XLA_FFI_Buffer cache = DatalessBuffer(dtype, cache_dims, 4);
-  const XLA_FFI_Buffer block_tables = DatalessBuffer(XLA_FFI_DataType_S32, block_tables_dims, 2);
-  const XLA_FFI_Buffer seq_lens = DatalessBuffer(XLA_FFI_DataType_S32, seq_lens_dims, 1);
-  const XLA_FFI_Buffer alibi = DatalessBuffer(XLA_FFI_DataType_F32, no_alibi_dims, 1);
-  pa::Shapes s;
-  if (pa::Check(xla::ffi::AnyBuffer(&query), xla::ffi::AnyBuffer(&cache),
-                xla::ffi::AnyBuffer(&cache), xla::ffi::AnyBuffer(&block_tables),
-                xla::ffi::AnyBuffer(&seq_lens), xla::ffi::AnyBuffer(&alibi),
-                xla::ffi::AnyBuffer(&query), s)
-          .failure() ||
-      s.num_seqs == 0 || s.num_heads == 0) {
-    return 0;  // the handler rejects it, or launches nothing
-  }
-  return xla_ext::cuda::WorkspaceBytes(device, [&](const auto& info, auto& workspace) {
-    pa::Plan plan;
-    pa::Params p;
-    return pa::PlanCall(s, static_cast<xla::ffi::DataType>(dtype), 1.0f, 0.0f, info, workspace,
-                        plan, p);
-  });
-}

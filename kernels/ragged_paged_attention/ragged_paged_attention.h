@@ -16,8 +16,9 @@
 //   out           [max_num_batched_tokens, num_q_heads, head_dim], dtype of q
 //   workspace     [bytes] u8: the CUDA handler's scratch, so that XLA allocates it with the
 //                 call's other buffers and a command buffer can replay the call; the front
-//                 ends size it (xla_ext_ragged_paged_attention_workspace_bytes) and drop it.
-//                 Too small: InvalidArgument. The Host handler needs none (any size).
+//                 ends size it (the library's xla_ext_workspace_bytes, which asks this op's
+//                 contract) and drop it. Too small: InvalidArgument. The Host handler needs
+//                 none (any size).
 //
 // For sequence i < num_seqs[0], q_len = cu_q_lens[i + 1] - cu_q_lens[i], kv_len = kv_lens[i],
 // its query row j (0 <= j < q_len) sits at position q_pos = kv_len - q_len + j, and query head
@@ -66,6 +67,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/contract.h"
 #include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
@@ -77,19 +79,19 @@ inline constexpr char kTarget[] = "xla_ext.ragged_paged_attention";
 inline constexpr float kNegligibleMaskValue = -1e30f;
 inline constexpr int64_t kMaxGroupSize = 16;
 
-inline bool IsSupportedHeadDim(int64_t head_dim) {
-  switch (head_dim) {
-    case 64: case 80: case 96: case 112: case 128: case 192: case 256: return true;
-    default: return false;
-  }
-}
-
-inline bool IsSupportedPageSize(int64_t page_size) {
-  switch (page_size) {
-    case 8: case 16: case 32: case 64: case 128: return true;
-    default: return false;
-  }
-}
+// The op's contract (kernels/common/contract.h): the values Check accepts, the ones the CUDA
+// kernels are built for, and the ones the front ends read from the kernel table. kv_pages has
+// q's dtype, or f8e4m3fn beside an f16 or bf16 q.
+inline constexpr int64_t kHeadDims[] = {64, 80, 96, 112, 128, 192, 256};
+inline constexpr int64_t kPageSizes[] = {8, 16, 32, 64, 128};
+inline constexpr int64_t kKvPagesDTypes[] = {XLA_FFI_DataType_F32, XLA_FFI_DataType_F16,
+                                             XLA_FFI_DataType_BF16, XLA_FFI_DataType_F8E4M3FN};
+inline constexpr XlaExtSupportedValues kSupported[] = {
+    contract::Supported("dtype", "q", kFloatDTypes),
+    contract::Supported("dtype", "kv_pages", kKvPagesDTypes),
+    contract::Supported("head_dim", "q", kHeadDims),
+    contract::Supported("page_size", "kv_pages", kPageSizes),
+};
 
 struct Shapes {
   int64_t num_tokens;  // max_num_batched_tokens
@@ -174,8 +176,8 @@ inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
   const auto pd = page_indices.dimensions();
   shapes = Shapes{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2] / 2, pd[0], pd[1], fp8_kv};
 
-  if (!IsSupportedHeadDim(shapes.head_dim)) {
-    return ArgumentError(kTarget, "q", "head_dim (dim 2) 64, 80, 96, 112, 128, 192 or 256",
+  if (!contract::Contains(kHeadDims, shapes.head_dim)) {
+    return ArgumentError(kTarget, "q", "head_dim (dim 2) " + contract::OneOf(kHeadDims),
                          std::to_string(shapes.head_dim) + " in shape " + ShapeString(qd));
   }
   if (kd[3] != shapes.head_dim) {
@@ -183,8 +185,9 @@ inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
                          "head_dim (dim 3) " + std::to_string(shapes.head_dim) + " (the q's)",
                          "shape " + ShapeString(kd));
   }
-  if (!IsSupportedPageSize(shapes.page_size)) {
-    return ArgumentError(kTarget, "kv_pages", "page_size (dim 1) 8, 16, 32, 64 or 128",
+  if (!contract::Contains(kPageSizes, shapes.page_size)) {
+    return ArgumentError(kTarget, "kv_pages",
+                         "page_size (dim 1) " + contract::OneOf(kPageSizes),
                          std::to_string(shapes.page_size) + " in shape " + ShapeString(kd));
   }
   if (kd[2] <= 0 || kd[2] % 2 != 0 || shapes.num_q_heads % shapes.num_kv_heads != 0 ||

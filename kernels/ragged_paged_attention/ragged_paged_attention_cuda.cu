@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -298,18 +299,16 @@ struct Kernels {
   }
 };
 
+// Kernels are built for every head_dim of the contract (kHeadDims).
 template <typename T, typename KV, typename Fn>
 ffi::Error DispatchHeadDim(int64_t head_dim, Fn&& fn) {
-  switch (head_dim) {
-    case 64: return fn(Kernels<T, KV, 64>{});
-    case 80: return fn(Kernels<T, KV, 80>{});
-    case 96: return fn(Kernels<T, KV, 96>{});
-    case 112: return fn(Kernels<T, KV, 112>{});
-    case 128: return fn(Kernels<T, KV, 128>{});
-    case 192: return fn(Kernels<T, KV, 192>{});
-    case 256: return fn(Kernels<T, KV, 256>{});
-    default: return NoKernelError(kTarget, "head_dim", std::to_string(head_dim));
+  ffi::Error result = ffi::Error::Success();
+  if (!contract::Dispatch<kHeadDims>(head_dim, [&](auto dim) {
+        result = fn(Kernels<T, KV, decltype(dim)::value>{});
+      })) {
+    return NoKernelError(kTarget, "head_dim", std::to_string(head_dim));
   }
+  return result;
 }
 
 // Calls fn(Kernels<T, KV, head_dim>{}) for the element types of q and kv_pages.
@@ -398,6 +397,39 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   return cuda::LastLaunchError(kTarget);
 }
 
+// The contract's workspace query (kernel_table.h): the call's operands are the handler's, in
+// its binding order (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs), and its
+// attributes by name.
+int64_t WorkspaceBytes(int device, const XlaExtCallShape* call) {
+  constexpr uint32_t kOperands = 6;
+  if (call->num_operands != kOperands) return 0;
+  XLA_FFI_Buffer b[kOperands];
+  for (uint32_t i = 0; i < kOperands; ++i) b[i] = contract::OperandBuffer(*call, i);
+  const auto attribute = [&](const char* name) {
+    return contract::Attribute(*call, name, std::nan(""));
+  };
+  const Attrs attrs{static_cast<float>(attribute("sm_scale")),
+                    static_cast<int32_t>(contract::Attribute(*call, "sliding_window", -1)),
+                    static_cast<float>(attribute("soft_cap")),
+                    static_cast<float>(attribute("mask_value")),
+                    static_cast<float>(attribute("k_scale")),
+                    static_cast<float>(attribute("v_scale"))};
+  const ffi::AnyBuffer q(&b[0]);
+  Shapes s;
+  if (Check(q, ffi::AnyBuffer(&b[1]), ffi::AnyBuffer(&b[2]), ffi::AnyBuffer(&b[3]),
+            ffi::AnyBuffer(&b[4]), ffi::AnyBuffer(&b[5]), q, attrs, s)
+          .failure() ||
+      s.num_tokens == 0 || s.num_q_heads == 0) {
+    return 0;  // the handler rejects it (a missing attribute too), or launches nothing
+  }
+  const BatchParams p = MakeBatchParams(s, attrs);
+  return cuda::WorkspaceBytes(device, [&](const auto& info, auto& workspace) {
+    const Call plan_only{s, info, workspace, nullptr};
+    return Dispatch(q.element_type(), s.fp8_kv, s.head_dim,
+                    [&](auto kernels) { return kernels.Launch(p, plan_only); });
+  });
+}
+
 // Not in a CUDA graph's way: no host synchronisation, and its scratch is the workspace result
 // (XLA's own buffer), not an allocation at every call.
 XLA_FFI_DEFINE_HANDLER(kRaggedPagedAttentionCuda, RaggedPagedAttentionCuda,
@@ -408,47 +440,7 @@ XLA_FFI_DEFINE_HANDLER(kRaggedPagedAttentionCuda, RaggedPagedAttentionCuda,
 
 XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kRaggedPagedAttentionCuda,
                         XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{
+    0, kTarget, static_cast<uint32_t>(std::size(kSupported)), kSupported, WorkspaceBytes});
 
 }  // namespace xla_ext::ragged_paged_attention
-
-// For the front ends, which size the op's workspace result when they build the call: the bytes
-// a call with these shapes (q [3], kv_pages [4] and page_indices [2] dimensions; q's and
-// kv_pages' XLA_FFI_DataType) and attributes needs on CUDA device `device`, or with device -1
-// the most any visible device needs; 0 where no device is visible or where the handler rejects
-// the call (it says why itself).
-extern "C" __attribute__((visibility("default"))) int64_t
-xla_ext_ragged_paged_attention_workspace_bytes(int device, int q_dtype, int kv_dtype,
-                                               const int64_t* q_dims,
-                                               const int64_t* kv_pages_dims,
-                                               const int64_t* page_indices_dims, float sm_scale,
-                                               int32_t sliding_window, float soft_cap,
-                                               float mask_value, float k_scale, float v_scale) {
-  namespace rpa = xla_ext::ragged_paged_attention;
-  using xla_ext::cuda::DatalessBuffer;
-  const int64_t max_num_seqs = page_indices_dims[0];
-  const int64_t kv_lens_dims[] = {max_num_seqs};
-  const int64_t cu_q_lens_dims[] = {max_num_seqs + 1};
-  const int64_t num_seqs_dims[] = {1};
-  const XLA_FFI_Buffer q = DatalessBuffer(q_dtype, q_dims, 3);
-  const XLA_FFI_Buffer kv_pages = DatalessBuffer(kv_dtype, kv_pages_dims, 4);
-  const XLA_FFI_Buffer kv_lens = DatalessBuffer(XLA_FFI_DataType_S32, kv_lens_dims, 1);
-  const XLA_FFI_Buffer page_indices = DatalessBuffer(XLA_FFI_DataType_S32, page_indices_dims, 2);
-  const XLA_FFI_Buffer cu_q_lens = DatalessBuffer(XLA_FFI_DataType_S32, cu_q_lens_dims, 1);
-  const XLA_FFI_Buffer num_seqs = DatalessBuffer(XLA_FFI_DataType_S32, num_seqs_dims, 1);
-  const rpa::Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
-  rpa::Shapes s;
-  if (rpa::Check(xla::ffi::AnyBuffer(&q), xla::ffi::AnyBuffer(&kv_pages),
-                 xla::ffi::AnyBuffer(&kv_lens), xla::ffi::AnyBuffer(&page_indices),
-                 xla::ffi::AnyBuffer(&cu_q_lens), xla::ffi::AnyBuffer(&num_seqs),
-                 xla::ffi::AnyBuffer(&q), attrs, s)
-          .failure() ||
-      s.num_tokens == 0 || s.num_q_heads == 0) {
-    return 0;  // the handler rejects it, or launches nothing
-  }
-  const rpa::BatchParams p = rpa::MakeBatchParams(s, attrs);
-  return xla_ext::cuda::WorkspaceBytes(device, [&](const auto& info, auto& workspace) {
-    const rpa::Call call{s, info, workspace, nullptr};
-    return rpa::Dispatch(static_cast<xla::ffi::DataType>(q_dtype), s.fp8_kv, s.head_dim,
-                         [&](auto kernels) { return kernels.Launch(p, call); });
-  });
-}

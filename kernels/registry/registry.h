@@ -11,6 +11,9 @@
 //   XLA_FFI_DEFINE_HANDLER(kMyAddHost, MyAddHost, ffi::Ffi::Bind()...);
 //   XLA_EXT_REGISTER_KERNEL("my_add", "Host", kMyAddHost, XLA_EXT_NO_TRAITS);
 //
+// and, optionally, the op's contract (kernel_table.h: its supported values, its workspace
+// query): XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "my_add", 1, kSupported, nullptr});
+//
 // then `torch_xla_ext.load_kernels("libmy_kernels.so")`.
 #ifndef XLA_EXT_REGISTRY_H_
 #define XLA_EXT_REGISTRY_H_
@@ -27,6 +30,7 @@ namespace xla_ext::registry {
 // share (or interpose) each other's tables.
 struct __attribute__((visibility("hidden"))) Registry {
   std::vector<XlaExtKernel> kernels;
+  std::vector<XlaExtContract> contracts;
   std::string error;
   XlaExtKernelTable table{};
 
@@ -50,6 +54,25 @@ struct __attribute__((visibility("hidden"))) Registry {
     return true;
   }
 
+  bool AddContract(const XlaExtContract& contract) {
+    if (Contract(contract.target) != nullptr) {
+      if (error.empty()) {
+        error = std::string("duplicate contract of target '") + contract.target + "'";
+      }
+      return false;
+    }
+    contracts.push_back(contract);
+    contracts.back().struct_size = sizeof(XlaExtContract);
+    return true;
+  }
+
+  const XlaExtContract* Contract(const char* target) const {
+    for (const XlaExtContract& c : contracts) {
+      if (std::strcmp(c.target, target) == 0) return &c;
+    }
+    return nullptr;
+  }
+
   const XlaExtKernelTable* Table() {
     table.struct_size = sizeof(XlaExtKernelTable);
     table.kernel_struct_size = sizeof(XlaExtKernel);
@@ -58,6 +81,9 @@ struct __attribute__((visibility("hidden"))) Registry {
     table.num_kernels = static_cast<uint32_t>(kernels.size());
     table.kernels = kernels.data();
     table.error = error.empty() ? nullptr : error.c_str();
+    table.contract_struct_size = sizeof(XlaExtContract);
+    table.num_contracts = static_cast<uint32_t>(contracts.size());
+    table.contracts = contracts.data();
     return &table;
   }
 };
@@ -70,6 +96,21 @@ extern "C" __attribute__((weak, visibility("default"))) const XlaExtKernelTable*
 xla_ext_kernel_table(void) {
   return ::xla_ext::registry::Registry::Get().Table();
 }
+
+// The generic workspace query of this shared object (kernel_table.h), weak as the table is.
+extern "C" __attribute__((weak, visibility("default"))) int64_t xla_ext_workspace_bytes(
+    const char* target, int device, const XlaExtCallShape* call) {
+  const XlaExtContract* contract = ::xla_ext::registry::Registry::Get().Contract(target);
+  if (contract == nullptr || contract->workspace_bytes == nullptr) return -1;
+  return contract->workspace_bytes(device, call);
+}
+
+// An op's contract (an XlaExtContract; its struct_size is filled in), once per target.
+#define XLA_EXT_REGISTER_CONTRACT(...) XLA_EXT_REGISTER_CONTRACT_(__COUNTER__, __VA_ARGS__)
+#define XLA_EXT_REGISTER_CONTRACT_(N, ...) XLA_EXT_REGISTER_CONTRACT__(N, __VA_ARGS__)
+#define XLA_EXT_REGISTER_CONTRACT__(N, ...)                                      \
+  __attribute__((unused)) static const bool xla_ext_contract_registered_##N##_ = \
+      ::xla_ext::registry::Registry::Get().AddContract(__VA_ARGS__)
 
 #define XLA_EXT_REGISTER_KERNEL(TARGET, PLATFORM, HANDLER, TRAITS) \
   XLA_EXT_REGISTER_KERNEL_(TARGET, PLATFORM, HANDLER, TRAITS, __COUNTER__)

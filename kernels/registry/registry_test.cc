@@ -1,5 +1,6 @@
 // The table a library exports holds exactly what its XLA_EXT_REGISTER_KERNEL lines added, in
-// order, and refuses a second handler for the same (target, platform).
+// order, and refuses a second handler for the same (target, platform); likewise its contracts
+// (XLA_EXT_REGISTER_CONTRACT), which the generic workspace query answers from.
 #include "xla_ext/registry.h"
 
 #include <cstdio>
@@ -14,6 +15,24 @@ XLA_EXT_REGISTER_KERNEL("test.a", "Host", HandlerA, XLA_EXT_NO_TRAITS);
 XLA_EXT_REGISTER_KERNEL("test.a", "CUDA", HandlerB,
                         XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 XLA_EXT_REGISTER_KERNEL("test.a", "Host", HandlerB, XLA_EXT_NO_TRAITS);  // duplicate
+
+constexpr int64_t kSizes[] = {8, 16};
+constexpr XlaExtSupportedValues kSupported[] = {{"size", "x", 2, kSizes}};
+
+// The bytes a call needs: here its first operand's first dimension, plus attribute "extra".
+int64_t WorkspaceBytes(int device, const XlaExtCallShape* call) {
+  int64_t extra = 0;
+  for (uint32_t i = 0; i < call->num_attributes; ++i) {
+    if (std::strcmp(call->attributes[i].name, "extra") == 0) {
+      extra = static_cast<int64_t>(call->attributes[i].value);
+    }
+  }
+  return device == -1 ? call->operands[0].dims[0] + extra : 0;
+}
+
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "test.a", 1, kSupported, WorkspaceBytes});
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "test.b", 1, kSupported, nullptr});
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "test.a", 0, nullptr, nullptr});  // duplicate
 
 int failures = 0;
 
@@ -43,7 +62,24 @@ int main() {
   Expect(table->error != nullptr &&
              std::strstr(table->error, "duplicate registration of target 'test.a' for "
                                        "platform 'Host'") != nullptr,
-         "the duplicate is reported");
+         "the duplicate is reported (the first refusal)");
+
+  Expect(table->contract_struct_size == sizeof(XlaExtContract) && table->num_contracts == 2,
+         "contracts: the duplicate is not added");
+  Expect(table->contracts[0].struct_size == sizeof(XlaExtContract) &&
+             std::strcmp(table->contracts[0].target, "test.a") == 0 &&
+             table->contracts[0].num_supported == 1 &&
+             table->contracts[0].supported[0].values[1] == 16,
+         "the first contract and its supported values");
+  const int64_t dims[] = {24, 3};
+  const XlaExtOperandShape operand{XLA_FFI_DataType_F32, 2, dims};
+  const XlaExtScalarAttribute extra{"extra", 2.0};
+  const XlaExtCallShape call{1, &operand, 1, &extra};
+  Expect(xla_ext_workspace_bytes("test.a", -1, &call) == 26,
+         "the workspace query answers through the target's contract");
+  Expect(xla_ext_workspace_bytes("test.b", -1, &call) == -1 &&
+             xla_ext_workspace_bytes("test.c", -1, &call) == -1,
+         "no workspace query: a contract without one, or no contract");
   std::printf("%s\n", failures == 0 ? "registry_test: all checks passed" : "registry_test: FAILED");
   return failures == 0 ? 0 : 1;
 }

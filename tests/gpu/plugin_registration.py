@@ -51,8 +51,9 @@ def main():
     seq_lens = np.array([20, 40], np.int32)
     # Its scratch is a last result the front ends size and drop (torch_xla_ext/workspace.py).
     operands = (query, key_cache, value_cache, block_tables, seq_lens, np.zeros((0,), np.float32))
-    workspace_bytes = workspace.paged_attention(
-        dict(zip(op_catalog.PAGED_ATTENTION.operands, operands)), {}, workspace.ANY_GPU)
+    op = op_catalog.PAGED_ATTENTION
+    workspace_bytes = workspace.workspace_bytes(op, dict(zip(op.operands, operands)), {},
+                                                workspace.ANY_GPU)
     out, _ = jax.ffi.ffi_call("xla_ext.paged_attention",
                               (jax.ShapeDtypeStruct(query.shape, query.dtype),
                                jax.ShapeDtypeStruct((workspace_bytes,), np.uint8)))(

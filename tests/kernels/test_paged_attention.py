@@ -11,7 +11,7 @@ from tests import reference
 from tests.kernels.common import (DTYPES, HANDLERS_CHECK_DATA, PLATFORM, assert_close, replace,
                                   to_jax, to_torch)
 from torch_xla_ext import jax_ops as xla_ext_jax
-from torch_xla_ext import op_catalog, sample_inputs
+from torch_xla_ext import checks, op_catalog, sample_inputs
 from torch_xla_ext.errors import TorchXlaExtError
 
 
@@ -42,7 +42,8 @@ def check(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, softc
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
+@pytest.mark.parametrize("head_size",
+                         checks.supported(checks.PAGED_ATTENTION, "head_size", "query"))
 def test_head_sizes_and_dtypes(head_size, dtype):
     block_size = [8, 16, 32][head_size % 3]
     check([1, 37, 16, 100], 4, 2, head_size, block_size, dtype)

@@ -245,14 +245,16 @@ def test_simple_add_matches_reference(dtype, shape, seed):
 
 
 @st.composite
-def attention_inputs(draw, dtypes=DTYPES, head_sizes=checks.HEAD_SIZES, long_max=12,
-                     at_least_one_token=False):
+def attention_inputs(draw, dtypes=DTYPES,
+                     head_sizes=checks.supported(checks.PAGED_ATTENTION, "head_size", "query"),
+                     long_max=12, at_least_one_token=False):
     """A decode batch: ragged lengths (no empty batch: test_paged_attention.py has it), GQA
     ratios, every head and block size, extra block-table columns, and the sample_inputs
     layout (blocks scattered, spare blocks, junk table entries past each sequence's end).
     softcap in {0} and [1e-3, 1e6]: far beyond, logit / softcap is subnormal (flushed to zero
     on XLA CPU)."""
-    block_size = draw(st.sampled_from(checks.BLOCK_SIZES))
+    block_size = draw(st.sampled_from(
+        checks.supported(checks.PAGED_ATTENTION, "block_size", "key_cache")))
     num_kv_heads = draw(st.integers(1, 3))
     num_heads = num_kv_heads * draw(st.sampled_from([1, 2, 3, 4]))
     head_size = draw(st.sampled_from(head_sizes))
@@ -397,8 +399,11 @@ def _f32(x):
 
 
 @st.composite
-def ragged_batches(draw, dtypes=DTYPES, head_dims=checks.RAGGED_HEAD_DIMS,
-                   page_sizes=checks.RAGGED_PAGE_SIZES, at_least_one_row=False, max_work=2e7):
+def ragged_batches(draw, dtypes=DTYPES,
+                   head_dims=checks.supported(checks.RAGGED_PAGED_ATTENTION, "head_dim", "q"),
+                   page_sizes=checks.supported(checks.RAGGED_PAGED_ATTENTION, "page_size",
+                                               "kv_pages"),
+                   at_least_one_row=False, max_work=2e7):
     """A ragged batch as vLLM builds one: per sequence a kv_len around page edges (0, 1,
     page_size - 1, page_size, page_size + 1, at times a long one) and a q_len (none, a decode,
     the whole prompt, a chunk), GQA groups up to 16, q of any float dtype with kv_pages of its

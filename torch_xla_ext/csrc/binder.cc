@@ -99,6 +99,29 @@ __attribute__((visibility("default"))) void xla_ext_table_kernel(
   *traits = kernel.traits;
 }
 
+// The ops' contracts of a table xla_ext_table_header accepted: none where the library was
+// built against a kernel_table.h before them (a smaller table or contract struct).
+__attribute__((visibility("default"))) uint32_t xla_ext_table_num_contracts(
+    const XlaExtKernelTable* table) {
+  if (table->struct_size < XLA_EXT_KERNEL_TABLE_STRUCT_SIZE_V2 ||
+      table->contract_struct_size < XLA_EXT_CONTRACT_STRUCT_SIZE_V1) {
+    return 0;
+  }
+  return table->num_contracts;
+}
+
+// Reads contract i (< xla_ext_table_num_contracts): its target and its supported values
+// (`num_supported` XlaExtSupportedValues).
+__attribute__((visibility("default"))) void xla_ext_table_contract(
+    const XlaExtKernelTable* table, uint32_t i, const char** target, uint32_t* num_supported,
+    const XlaExtSupportedValues** supported) {
+  const XlaExtContract& contract = *reinterpret_cast<const XlaExtContract*>(
+      reinterpret_cast<const char*>(table->contracts) + i * table->contract_struct_size);
+  *target = contract.target;
+  *num_supported = contract.num_supported;
+  *supported = contract.supported;
+}
+
 // The struct size and version of a runtime's XLA_FFI_Api.
 __attribute__((visibility("default"))) void xla_ext_ffi_api_version(
     const XLA_FFI_Api* api, size_t* struct_size, int32_t* major, int32_t* minor) {
