@@ -367,6 +367,13 @@ XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/gpu/debug_checks_test.py 2>&1 | 
 step "our CUDA handlers registered into JAX's CUDA PJRT plugin through its FFI extension"
 python3 tests/gpu/plugin_registration.py > "$OUT/$GPU-plugin.txt" 2>&1 || status=1
 tail -3 "$OUT/$GPU-plugin.txt" | tee -a "$TESTS"
+
+# Ragged attention's cases again on each of its kernels, forced (the handler's choice ran above).
+for kernel in warpgroup tensor_core simt; do
+  step "ragged, XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel"
+  XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
+    tests/kernels/test_ragged_paged_attention.py 2>&1 | tail -1 | tee -a "$TESTS" || status=1
+done
 fi
 [[ $PHASE == tests ]] && { step "done, status $status"; exit $status; }
 
