@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) AttendKernel(Params p) {
       // maxima are taken before it: a positive scale keeps them). A soft cap, or a scale that is
       // not positive, turns the scores into logits first. Each choice is made once per stage,
       // not per score: the per-score branches of the soft cap made the loop large enough to
-      // stall on instruction fetch (h100-ncu-ragged-warpgroup).
+      // stall on instruction fetch, as Nsight Compute's stall reasons showed.
       float row_scale = log2_scale;
       if (p.soft_cap > 0.0f) {
 #pragma unroll

@@ -14,8 +14,8 @@
 #   ROUNDS=2 tools/device/ab_kernels.sh run NAME... -- COMMAND...
 #     runs COMMAND in each variant's copy (PYTHONPATH set to it), the variants one after another
 #     and that ROUNDS times, every output line prefixed with "[NAME] ".
-# Example (the combine of db260b9 against the working tree's):
-#   tools/device/ab_kernels.sh prepare base db260b9
+# Example (the kernels of the last commit against the working tree's):
+#   tools/device/ab_kernels.sh prepare base HEAD
 #   (GPU) tools/device/ab_kernels.sh build base tree && ROUNDS=2 tools/device/ab_kernels.sh \
 #           run base tree -- python3 bench/decode_mixes_bench.py --only "many very short" --out /tmp/m.json
 set -uo pipefail
