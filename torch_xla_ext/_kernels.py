@@ -1,6 +1,7 @@
 """Loads a kernel library and reads its static handler table (kernels/registry/registry.h):
-its handlers, and its ops' contracts (the values their sizes and dtypes may take, and the
-generic workspace query, kernels/registry/kernel_table.h)."""
+its handlers, and its ops' contracts (the values their sizes and dtypes may take, the shape
+check a user's kernel declares, and the generic workspace query,
+kernels/registry/kernel_table.h)."""
 
 import ctypes
 import dataclasses
@@ -59,6 +60,7 @@ class Contract:
 
     target: str
     supported: tuple  # ((name, argument, values), ...), e.g. ("head_size", "query", (64, ...))
+    check: int | None = None  # address of the library's XlaExtCheckFn (KernelLibrary.check runs it)
 
     def values(self, name, argument):
         """The values `name` of `argument` may take (sizes, or XLA FFI dtype numbers for
@@ -90,6 +92,20 @@ class _CallShape(ctypes.Structure):
     _fields_ = [("num_operands", ctypes.c_uint32), ("operands", ctypes.POINTER(_OperandShape)),
                 ("num_attributes", ctypes.c_uint32),
                 ("attributes", ctypes.POINTER(_ScalarAttribute))]
+
+
+_CheckFn = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.POINTER(_CallShape))
+
+
+def _call_shape(operands, attributes):
+    """A _CallShape of `operands` [(XLA FFI dtype number, shape)] and `attributes`
+    [(name, value)]; the arrays it points to are returned beside it, to keep them alive."""
+    dims = [(ctypes.c_int64 * len(shape))(*shape) for _, shape in operands]
+    shapes = (_OperandShape * len(operands))(
+        *(_OperandShape(dtype, len(shape), d) for (dtype, shape), d in zip(operands, dims)))
+    attrs = (_ScalarAttribute * len(attributes))(
+        *(_ScalarAttribute(name.encode(), value) for name, value in attributes))
+    return _CallShape(len(operands), shapes, len(attributes), attrs), (dims, shapes, attrs)
 
 
 class KernelLibrary:
@@ -160,17 +176,23 @@ class KernelLibrary:
         [(XLA FFI dtype number, shape)], in the order the handler binds them, and
         `attributes` [(name, value)], on CUDA device `device` (-1: any visible one); 0 for a
         call the handler rejects or where no GPU is visible."""
-        dims = [(ctypes.c_int64 * len(shape))(*shape) for _, shape in operands]
-        shapes = (_OperandShape * len(operands))(
-            *(_OperandShape(dtype, len(shape), d) for (dtype, shape), d in zip(operands, dims)))
-        attrs = (_ScalarAttribute * len(attributes))(
-            *(_ScalarAttribute(name.encode(), value) for name, value in attributes))
-        call = _CallShape(len(operands), shapes, len(attributes), attrs)
+        call, _arrays = _call_shape(operands, attributes)
         size = self._workspace_bytes(target.encode(), device, ctypes.byref(call))
         if size < 0:
             raise TorchXlaExtError(f"{self.path} has no workspace query for {target}: it was "
                                    "built from other sources than this package; rebuild it")
         return size
+
+    def check(self, target, operands, attributes):
+        """The message of `target`'s shape check for a call of `operands` (its arguments, then
+        its results, as [(XLA FFI dtype number, shape)]) and scalar `attributes`
+        [(name, value)]: None where the check accepts the call or the library declares none."""
+        contract = self.contracts.get(target)
+        if contract is None or contract.check is None:
+            return None
+        call, _arrays = _call_shape(operands, attributes)
+        message = _CheckFn(contract.check)(ctypes.byref(call))
+        return None if message is None else message.decode(errors="replace")
 
     def __repr__(self):
         return f"KernelLibrary({self.path!r}, {len(self.kernels)} kernels)"
@@ -189,9 +211,10 @@ def _read_contract(binder, table, index):
     binder.xla_ext_table_contract(table, index, ctypes.byref(target), ctypes.byref(count),
                                   ctypes.byref(supported))
     entries = ctypes.cast(supported, ctypes.POINTER(_SupportedValues))
+    check = binder.xla_ext_table_contract_check(table, index)
     return Contract(target.value.decode(), tuple(
         (e.name.decode(), e.argument.decode(), tuple(e.values[:e.num_values]))
-        for e in entries[:count.value]))
+        for e in entries[:count.value]), check)
 
 
 _builtin = None
@@ -228,6 +251,8 @@ def binder_dll():
     dll.xla_ext_table_num_contracts.argtypes = [ctypes.c_void_p]
     dll.xla_ext_table_contract.restype = None
     dll.xla_ext_table_contract.argtypes = [ctypes.c_void_p, ctypes.c_uint32] + [ctypes.c_void_p] * 3
+    dll.xla_ext_table_contract_check.restype = ctypes.c_void_p
+    dll.xla_ext_table_contract_check.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
     dll.xla_ext_ffi_api_version.restype = None
     dll.xla_ext_ffi_api_version.argtypes = [ctypes.c_void_p] * 4
     dll.xla_ext_pjrt_api_version.restype = None

@@ -212,8 +212,10 @@ def custom_call(inputs, target, output_shapes, output_dtypes, attrs=None, has_si
 
     A call of one of our ops' targets is checked at the call against the op's description
     (op_catalog.py), as the op itself is: its operands, attribute names and types, output
-    shapes and dtypes, and the data the host can see. A bad call raises TorchXlaExtError and
-    records nothing. Other targets (users' kernels) are checked by their handlers when the
+    shapes and dtypes, and the data the host can see. A target of a user's library that
+    registered a check (XLA_EXT_REGISTER_CHECK) is checked at the call by that check: the
+    inputs' and outputs' dtypes and shapes, and the scalar attributes. A bad call raises
+    TorchXlaExtError and records nothing. Other targets are checked by their handlers when the
     step runs.
     """
     spec = _spec(inputs, target, output_shapes, output_dtypes, attrs, has_side_effect, aliases,
@@ -269,6 +271,7 @@ def _check_against_description(spec, inputs, output_shapes, output_dtypes):
 
     op = next((o for o in OPS if o.target == spec.target), None)
     if op is None:
+        _run_library_check(spec, inputs, output_shapes, output_dtypes)
         return
     from torch_xla_ext import ops, workspace
 
@@ -276,6 +279,26 @@ def _check_against_description(spec, inputs, output_shapes, output_dtypes):
     args = op.check_call(inputs, _dictionary_entries(spec.backend_config), outputs,
                          workspace.xla_device_gpu())
     ops.check_known_values(op, args)
+
+
+def _run_library_check(spec, inputs, output_shapes, output_dtypes):
+    """Runs the shape check that a loaded kernel library declares for spec.target, if any."""
+    from torch_xla_ext import binders
+
+    library = next((lib for lib in binders.libraries()
+                    if getattr(lib.contracts.get(spec.target), "check", None) is not None), None)
+    if library is None:
+        return
+    # _spec accepted every dtype, so each has an entry.
+    operands = [(dtypes.lookup(t.dtype).ffi_id, tuple(int(d) for d in t.shape)) for t in inputs]
+    operands += [(dtypes.lookup(dtype).ffi_id, tuple(int(d) for d in shape))
+                 for shape, dtype in zip(output_shapes, output_dtypes)]
+    attributes = sorted((name, float(value))
+                        for name, (_, value) in _dictionary_entries(spec.backend_config).items()
+                        if isinstance(value, (bool, int, float)))
+    message = library.check(spec.target, operands, attributes)
+    if message is not None:
+        raise TorchXlaExtError(f"{spec.target}: {message}")
 
 
 _DTYPE_OF_MLIR = {d.mlir: name for name, d in DTYPES.items()}

@@ -42,8 +42,9 @@ typedef struct XlaExtSupportedValues {
   const int64_t* values;  /* sizes, or XLA_FFI_DataType values for a "dtype" */
 } XlaExtSupportedValues;
 
-/* A call as a workspace query sees it: its operands' dtypes and dimensions (no data), in the
- * order the handler binds them, and its scalar attributes by name. */
+/* A call as a workspace query or a check sees it: its operands' dtypes and dimensions (no
+ * data), in the order the handler binds them, and its scalar attributes by name. A workspace
+ * query is given the op's arguments; a check is given its arguments, then its results. */
 typedef struct XlaExtOperandShape {
   int32_t dtype;  /* XLA_FFI_DataType */
   uint32_t rank;
@@ -67,12 +68,20 @@ typedef struct XlaExtCallShape {
  * itself). */
 typedef int64_t (*XlaExtWorkspaceBytesFn)(int device, const XlaExtCallShape* call);
 
+/* The handler's own shape check, run by the front ends at the call, before anything is
+ * recorded: NULL when the call (arguments, then results; see XlaExtCallShape) is accepted,
+ * else a message naming the argument, what was expected and what was given, in storage the
+ * library owns (static or thread-local) and that stays valid until the thread's next check. */
+typedef const char* (*XlaExtCheckFn)(const XlaExtCallShape* call);
+
 typedef struct XlaExtContract {
   size_t struct_size;  /* sizeof(XlaExtContract) where the library was built */
   const char* target;
   uint32_t num_supported;
   const XlaExtSupportedValues* supported;
   XlaExtWorkspaceBytesFn workspace_bytes;  /* NULL: the op has no workspace result */
+  /* Since version 2: */
+  XlaExtCheckFn check;                     /* NULL: the call is checked when it runs */
 } XlaExtContract;
 
 typedef struct XlaExtKernelTable {
@@ -98,6 +107,8 @@ typedef struct XlaExtKernelTable {
   (offsetof(XlaExtKernelTable, contracts) + sizeof(const XlaExtContract*))
 #define XLA_EXT_CONTRACT_STRUCT_SIZE_V1 \
   (offsetof(XlaExtContract, workspace_bytes) + sizeof(XlaExtWorkspaceBytesFn))
+/* Version 2 of the contract added the check: a smaller contract has none. */
+#define XLA_EXT_CONTRACT_STRUCT_SIZE_V2 (offsetof(XlaExtContract, check) + sizeof(XlaExtCheckFn))
 
 /* The generic workspace query a library exports beside the table (registry.h defines it):
  *   int64_t xla_ext_workspace_bytes(const char* target, int device, const XlaExtCallShape*);

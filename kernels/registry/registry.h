@@ -12,7 +12,10 @@
 //   XLA_EXT_REGISTER_KERNEL("my_add", "Host", kMyAddHost, XLA_EXT_NO_TRAITS);
 //
 // and, optionally, the op's contract (kernel_table.h: its supported values, its workspace
-// query): XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "my_add", 1, kSupported, nullptr});
+// query, its shape check): XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "my_add", 1, kSupported,
+// nullptr, MyAddCheck}); or, for a target whose contract is only its check,
+// XLA_EXT_REGISTER_CHECK("my_add", MyAddCheck). The front ends run the check at the call; the
+// handler may call it too, so that both accept the same calls.
 //
 // then `torch_xla_ext.load_kernels("libmy_kernels.so")`.
 #ifndef XLA_EXT_REGISTRY_H_
@@ -111,6 +114,11 @@ extern "C" __attribute__((weak, visibility("default"))) int64_t xla_ext_workspac
 #define XLA_EXT_REGISTER_CONTRACT__(N, ...)                                      \
   __attribute__((unused)) static const bool xla_ext_contract_registered_##N##_ = \
       ::xla_ext::registry::Registry::Get().AddContract(__VA_ARGS__)
+
+// A target's shape check (an XlaExtCheckFn), as a contract that declares nothing else. A
+// target with supported values or a workspace query gives its check in its one contract.
+#define XLA_EXT_REGISTER_CHECK(TARGET, CHECK) \
+  XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, TARGET, 0, nullptr, nullptr, CHECK})
 
 #define XLA_EXT_REGISTER_KERNEL(TARGET, PLATFORM, HANDLER, TRAITS) \
   XLA_EXT_REGISTER_KERNEL_(TARGET, PLATFORM, HANDLER, TRAITS, __COUNTER__)

@@ -1,6 +1,7 @@
 // The table a library exports holds exactly what its XLA_EXT_REGISTER_KERNEL lines added, in
 // order, and refuses a second handler for the same (target, platform); likewise its contracts
-// (XLA_EXT_REGISTER_CONTRACT), which the generic workspace query answers from.
+// (XLA_EXT_REGISTER_CONTRACT, and XLA_EXT_REGISTER_CHECK's contract of a check alone), which
+// the generic workspace query answers from.
 #include "xla_ext/registry.h"
 
 #include <cstdio>
@@ -34,6 +35,13 @@ XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "test.a", 1, kSupported, WorkspaceBy
 XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "test.b", 1, kSupported, nullptr});
 XLA_EXT_REGISTER_CONTRACT(XlaExtContract{0, "test.a", 0, nullptr, nullptr});  // duplicate
 
+// Accepts a call whose first operand has rank 1.
+const char* CheckRankOne(const XlaExtCallShape* call) {
+  return call->operands[0].rank == 1 ? nullptr : "argument 'x': expected rank 1";
+}
+
+XLA_EXT_REGISTER_CHECK("test.checked", CheckRankOne);
+
 int failures = 0;
 
 void Expect(bool ok, const char* what) {
@@ -64,8 +72,11 @@ int main() {
                                        "platform 'Host'") != nullptr,
          "the duplicate is reported (the first refusal)");
 
-  Expect(table->contract_struct_size == sizeof(XlaExtContract) && table->num_contracts == 2,
+  Expect(table->contract_struct_size == sizeof(XlaExtContract) && table->num_contracts == 3,
          "contracts: the duplicate is not added");
+  Expect(table->contract_struct_size >= XLA_EXT_CONTRACT_STRUCT_SIZE_V2 &&
+             table->contracts[0].check == nullptr && table->contracts[1].check == nullptr,
+         "a contract without a check");
   Expect(table->contracts[0].struct_size == sizeof(XlaExtContract) &&
              std::strcmp(table->contracts[0].target, "test.a") == 0 &&
              table->contracts[0].num_supported == 1 &&
@@ -80,6 +91,15 @@ int main() {
   Expect(xla_ext_workspace_bytes("test.b", -1, &call) == -1 &&
              xla_ext_workspace_bytes("test.c", -1, &call) == -1,
          "no workspace query: a contract without one, or no contract");
+  const XlaExtContract& checked = table->contracts[2];
+  Expect(std::strcmp(checked.target, "test.checked") == 0 && checked.num_supported == 0 &&
+             checked.workspace_bytes == nullptr && checked.check == CheckRankOne,
+         "XLA_EXT_REGISTER_CHECK registers a contract holding only the check");
+  const XlaExtOperandShape vector{XLA_FFI_DataType_F32, 1, dims};
+  const XlaExtCallShape rank_one{1, &vector, 0, nullptr};
+  Expect(checked.check(&rank_one) == nullptr && checked.check(&call) != nullptr &&
+             std::strstr(checked.check(&call), "argument 'x'") != nullptr,
+         "the check accepts and refuses calls by their shapes");
   std::printf("%s\n", failures == 0 ? "registry_test: all checks passed" : "registry_test: FAILED");
   return failures == 0 ? 0 : 1;
 }

@@ -111,6 +111,30 @@ def test_an_older_librarys_table_reads_as_one_without_contracts():
     assert binder.xla_ext_table_num_contracts(table) == current.num_contracts >= 2
 
 
+class _ContractV1(ctypes.Structure):
+    """XlaExtContract as kernel_table.h first laid it out: no check."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("target", ctypes.c_char_p),
+                ("num_supported", ctypes.c_uint32), ("supported", ctypes.c_void_p),
+                ("workspace_bytes", ctypes.c_void_p)]
+
+
+def test_a_version_1_contract_reads_as_one_without_a_check():
+    binder = _kernels.binder_dll()
+    # Two version-1 contracts back to back: a reader that took the first one's check from
+    # past its end would read the second one's struct_size, which is not zero.
+    contracts = (_ContractV1 * 2)(*(_ContractV1(ctypes.sizeof(_ContractV1), b"user.old", 0,
+                                                None, None) for _ in range(2)))
+    table = _TableV2(ctypes.sizeof(_TableV2), 40, 0, 1, 0, None, None,
+                     ctypes.sizeof(_ContractV1), 1, ctypes.addressof(contracts))
+    assert binder.xla_ext_table_num_contracts(ctypes.addressof(table)) == 1
+    assert _kernels._read_contract(binder, ctypes.addressof(table), 0) == \
+        _kernels.Contract("user.old", (), None)
+    # Today's contracts hold the field; our ops declare no check there (op_catalog checks
+    # their calls).
+    library = _kernels.builtin_library()
+    assert all(c.check is None for c in library.contracts.values())
+
+
 def test_the_workspace_query_is_one_generic_entry_point():
     library = _kernels.builtin_library()
     with pytest.raises(TorchXlaExtError, match="has no workspace query for xla_ext.simple_add"):

@@ -39,6 +39,12 @@ const XlaExtKernel& KernelAt(const XlaExtKernelTable* table, uint32_t i) {
       reinterpret_cast<const char*>(table->kernels) + i * table->kernel_struct_size);
 }
 
+// The table's i-th contract: `contracts` has the library's own stride.
+const XlaExtContract& ContractAt(const XlaExtKernelTable* table, uint32_t i) {
+  return *reinterpret_cast<const XlaExtContract*>(
+      reinterpret_cast<const char*>(table->contracts) + i * table->contract_struct_size);
+}
+
 // The table is large enough to read (built against this or a later kernel_table.h).
 int CheckLayout(const XlaExtKernelTable* table, char* err, size_t err_size) {
   if (table == nullptr) return Fail(err, err_size, "the kernel table is null");
@@ -115,11 +121,18 @@ __attribute__((visibility("default"))) uint32_t xla_ext_table_num_contracts(
 __attribute__((visibility("default"))) void xla_ext_table_contract(
     const XlaExtKernelTable* table, uint32_t i, const char** target, uint32_t* num_supported,
     const XlaExtSupportedValues** supported) {
-  const XlaExtContract& contract = *reinterpret_cast<const XlaExtContract*>(
-      reinterpret_cast<const char*>(table->contracts) + i * table->contract_struct_size);
+  const XlaExtContract& contract = ContractAt(table, i);
   *target = contract.target;
   *num_supported = contract.num_supported;
   *supported = contract.supported;
+}
+
+// The shape check of contract i (< xla_ext_table_num_contracts): NULL where it has none, or
+// where the library was built before contracts held one (a version-1 contract struct).
+__attribute__((visibility("default"))) XlaExtCheckFn xla_ext_table_contract_check(
+    const XlaExtKernelTable* table, uint32_t i) {
+  if (table->contract_struct_size < XLA_EXT_CONTRACT_STRUCT_SIZE_V2) return nullptr;
+  return ContractAt(table, i).check;
 }
 
 // The struct size and version of a runtime's XLA_FFI_Api.
