@@ -85,7 +85,7 @@ class _OperandShape(ctypes.Structure):
 
 
 class _ScalarAttribute(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_double)]
+    _fields_ = [("name", ctypes.c_char_p), ("dtype", ctypes.c_int32), ("value", ctypes.c_double)]
 
 
 class _CallShape(ctypes.Structure):
@@ -99,12 +99,13 @@ _CheckFn = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.POINTER(_CallShape))
 
 def _call_shape(operands, attributes):
     """A _CallShape of `operands` [(XLA FFI dtype number, shape)] and `attributes`
-    [(name, value)]; the arrays it points to are returned beside it, to keep them alive."""
+    [(name, XLA FFI dtype number, value)]; the arrays it points to are returned beside it, to
+    keep them alive."""
     dims = [(ctypes.c_int64 * len(shape))(*shape) for _, shape in operands]
     shapes = (_OperandShape * len(operands))(
         *(_OperandShape(dtype, len(shape), d) for (dtype, shape), d in zip(operands, dims)))
     attrs = (_ScalarAttribute * len(attributes))(
-        *(_ScalarAttribute(name.encode(), value) for name, value in attributes))
+        *(_ScalarAttribute(name.encode(), dtype, value) for name, dtype, value in attributes))
     return _CallShape(len(operands), shapes, len(attributes), attrs), (dims, shapes, attrs)
 
 
@@ -174,8 +175,8 @@ class KernelLibrary:
     def workspace_bytes(self, target, device, operands, attributes):
         """Bytes of workspace `target`'s CUDA handler needs for a call of `operands`
         [(XLA FFI dtype number, shape)], in the order the handler binds them, and
-        `attributes` [(name, value)], on CUDA device `device` (-1: any visible one); 0 for a
-        call the handler rejects or where no GPU is visible."""
+        `attributes` [(name, XLA FFI dtype number, value)], on CUDA device `device` (-1: any
+        visible one); 0 for a call the handler rejects or where no GPU is visible."""
         call, _arrays = _call_shape(operands, attributes)
         size = self._workspace_bytes(target.encode(), device, ctypes.byref(call))
         if size < 0:
@@ -186,7 +187,8 @@ class KernelLibrary:
     def check(self, target, operands, attributes):
         """The message of `target`'s shape check for a call of `operands` (its arguments, then
         its results, as [(XLA FFI dtype number, shape)]) and scalar `attributes`
-        [(name, value)]: None where the check accepts the call or the library declares none."""
+        [(name, XLA FFI dtype number, value)]: None where the check accepts the call or the
+        library declares none."""
         contract = self.contracts.get(target)
         if contract is None or contract.check is None:
             return None

@@ -293,9 +293,9 @@ def _run_library_check(spec, inputs, output_shapes, output_dtypes):
     operands = [(dtypes.lookup(t.dtype).ffi_id, tuple(int(d) for d in t.shape)) for t in inputs]
     operands += [(dtypes.lookup(dtype).ffi_id, tuple(int(d) for d in shape))
                  for shape, dtype in zip(output_shapes, output_dtypes)]
-    attributes = sorted((name, float(value))
-                        for name, (_, value) in _dictionary_entries(spec.backend_config).items()
-                        if isinstance(value, (bool, int, float)))
+    attributes = sorted((name, DTYPES[dtype].ffi_id, float(value))
+                        for name, (dtype, value) in _dictionary_entries(spec.backend_config).items()
+                        if isinstance(value, (bool, int, float)) and dtype in DTYPES)
     message = library.check(spec.target, operands, attributes)
     if message is not None:
         raise TorchXlaExtError(f"{spec.target}: {message}")

@@ -35,7 +35,8 @@ def workspace_bytes(op, args, attributes, gpu):
             return 0
         operands.append((entry.ffi_id, tuple(int(d) for d in shape)))
     return _bytes(op.target, gpu, tuple(operands),
-                  tuple(sorted((name, float(value)) for name, value in attributes.items())))
+                  tuple(sorted((name, dtypes.lookup(value.dtype).ffi_id, float(value))
+                               for name, value in attributes.items())))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -43,7 +43,7 @@ typedef struct XlaExtSupportedValues {
 } XlaExtSupportedValues;
 
 /* A call as a workspace query or a check sees it: its operands' dtypes and dimensions (no
- * data), in the order the handler binds them, and its scalar attributes by name. A workspace
+ * data), in the order the handler binds them, and its scalar attributes by name and type. A workspace
  * query is given the op's arguments; a check is given its arguments, then its results. */
 typedef struct XlaExtOperandShape {
   int32_t dtype;  /* XLA_FFI_DataType */
@@ -53,7 +53,8 @@ typedef struct XlaExtOperandShape {
 
 typedef struct XlaExtScalarAttribute {
   const char* name;
-  double value;  /* holds every f32 and s32 value exactly */
+  int32_t dtype;  /* XLA_FFI_DataType of the attribute as the call gives it, e.g. F32, S64 */
+  double value;   /* holds every f32 and s32 value exactly */
 } XlaExtScalarAttribute;
 
 typedef struct XlaExtCallShape {

@@ -84,7 +84,7 @@ int main() {
          "the first contract and its supported values");
   const int64_t dims[] = {24, 3};
   const XlaExtOperandShape operand{XLA_FFI_DataType_F32, 2, dims};
-  const XlaExtScalarAttribute extra{"extra", 2.0};
+  const XlaExtScalarAttribute extra{"extra", XLA_FFI_DataType_S32, 2.0};
   const XlaExtCallShape call{1, &operand, 1, &extra};
   Expect(xla_ext_workspace_bytes("test.a", -1, &call) == 26,
          "the workspace query answers through the target's contract");

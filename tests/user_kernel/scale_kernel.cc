@@ -57,7 +57,11 @@ const char* ScaleCheck(const XlaExtCallShape* call) {
     return message.c_str();
   }
   for (uint32_t i = 0; i < call->num_attributes; ++i) {
-    if (std::string(call->attributes[i].name) == "factor") return nullptr;
+    const XlaExtScalarAttribute& attribute = call->attributes[i];
+    if (std::string(attribute.name) != "factor") continue;
+    if (attribute.dtype == XLA_FFI_DataType_F32) return nullptr;
+    message = "attribute 'factor': expected a float (f32), got " + DtypeName(attribute.dtype);
+    return message.c_str();
   }
   message = "attribute 'factor': expected a float, got no attribute of that name";
   return message.c_str();
@@ -70,7 +74,7 @@ XlaExtOperandShape ShapeOf(XLA_FFI_DataType dtype, ffi::Span<const int64_t> dims
 ffi::Error Scale(ffi::Buffer<ffi::F32> x, float factor, ffi::ResultBuffer<ffi::F32> out) {
   const XlaExtOperandShape operands[] = {ShapeOf(XLA_FFI_DataType_F32, x.dimensions()),
                                          ShapeOf(XLA_FFI_DataType_F32, out->dimensions())};
-  const XlaExtScalarAttribute attributes[] = {{"factor", factor}};
+  const XlaExtScalarAttribute attributes[] = {{"factor", XLA_FFI_DataType_F32, factor}};
   const XlaExtCallShape call{2, operands, 1, attributes};
   if (const char* message = ScaleCheck(&call)) {
     return ffi::Error::InvalidArgument(std::string("user.scale: ") + message);

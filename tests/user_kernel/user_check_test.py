@@ -51,10 +51,14 @@ def negate_library(xla_device, tmp_path_factory):
 
 def test_the_library_exports_its_check(scale_library):
     f32 = 11  # XLA FFI dtype number
-    assert scale_library.check("user.scale", [(f32, (3,)), (f32, (3,))], [("factor", 2.0)]) \
-        is None
-    assert scale_library.check("user.scale", [(f32, (3,)), (f32, (4,))], [("factor", 2.0)]) == \
+    factor = [("factor", f32, 2.0)]
+    assert scale_library.check("user.scale", [(f32, (3,)), (f32, (3,))], factor) is None
+    assert scale_library.check("user.scale", [(f32, (3,)), (f32, (4,))], factor) == \
         "argument 'out': expected the shape of 'x', [3], got [4]"
+    s64 = 5
+    assert scale_library.check("user.scale", [(f32, (3,)), (f32, (3,))],
+                               [("factor", s64, 2.0)]) == \
+        "attribute 'factor': expected a float (f32), got s64"
 
 
 def test_a_bad_call_raises_at_the_call_with_the_checks_message(xla_device, scale_library):
@@ -76,6 +80,11 @@ def test_a_bad_call_raises_at_the_call_with_the_checks_message(xla_device, scale
          "user.scale: argument 'x': expected dtype f32, got bf16"),
         (lambda: custom_call([x], "user.scale", [[3]], [torch.float32], attrs={"scale": 2.0}),
          "user.scale: attribute 'factor': expected a float, got no attribute of that name"),
+        (lambda: custom_call([x], "user.scale", [[3]], [torch.float32], attrs={"factor": 2}),
+         "user.scale: attribute 'factor': expected a float (f32), got s64"),
+        (lambda: torch_xla._XLAC._xla_gpu_custom_call([x], "{factor = 2 : i32}", [[3]],
+                                                      [torch.float32], target="user.scale"),
+         "user.scale: attribute 'factor': expected a float (f32), got s32"),
         (lambda: torch_xla._XLAC._xla_gpu_custom_call([x], "{factor = 2.0 : f32}", [[3, 1]],
                                                       [torch.float32], target="user.scale"),
          "user.scale: argument 'out': expected the shape of 'x', [3], got [3, 1]"),
