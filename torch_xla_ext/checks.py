@@ -12,7 +12,6 @@ import functools
 import numpy as np
 
 from torch_xla_ext import _kernels, dtypes
-from torch_xla_ext.dtypes import CACHE_DTYPES, FLOAT_DTYPES
 from torch_xla_ext.dtypes import name as dtype_name
 from torch_xla_ext.errors import TorchXlaExtError
 
@@ -80,7 +79,7 @@ def _check_same(op, arg, x, ref_arg, ref):
 
 def simple_add(a, b):
     op = "XlaGpuSimpleAdd"
-    _check_dtype(op, "a", a, FLOAT_DTYPES)
+    _check_dtype(op, "a", a, supported(op, "dtype", "a"))
     _check_same(op, "b", b, "a", a)
 
 
@@ -130,7 +129,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     op = "xla_ext.reshape_and_cache"
     _check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]")
-    _check_dtype(op, "key", key, FLOAT_DTYPES)
+    _check_dtype(op, "key", key, supported(op, "dtype", "key"))
     _check_same(op, "value", value, "key", key)
     _check_rank(op, "key_cache", key_cache, 4,
                 "[num_blocks, block_size, num_kv_heads, head_size]")
@@ -176,7 +175,7 @@ def kv_cache_update(key, value, kv_cache, slot_mapping):
     op = "xla_ext.kv_cache_update"
     _check_rank(op, "kv_cache", kv_cache, 4,
                 "[num_pages, page_size, 2 * num_kv_heads, head_size]")
-    _check_dtype(op, "kv_cache", kv_cache, CACHE_DTYPES)
+    _check_dtype(op, "kv_cache", kv_cache, supported(op, "dtype", "kv_cache"))
     _check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]")
     _check_same_dtype(op, "key", key, "kv_cache", kv_cache)
     _check_same(op, "value", value, "key", key)
@@ -195,7 +194,7 @@ def kv_cache_update_slices(kv, slot_mapping, kv_cache, num_kv_update_slices, pag
     op = "xla_ext.kv_cache_update_slices"
     _check_rank(op, "kv_cache", kv_cache, 3,
                 "[num_pages * page_size, num_combined_heads, head_size]")
-    _check_dtype(op, "kv_cache", kv_cache, CACHE_DTYPES)
+    _check_dtype(op, "kv_cache", kv_cache, supported(op, "dtype", "kv_cache"))
     _check_rank(op, "kv", kv, 3, "[num_tokens, num_combined_heads, head_size]")
     _check_same_dtype(op, "kv", kv, "kv_cache", kv_cache)
     if _shape(kv_cache)[1:] != _shape(kv)[1:]:

@@ -24,10 +24,6 @@ DTYPES = {
     "float8_e4m3fn": DType(20, "f8E4M3FN"),
 }
 
-# What the attention and copy kernels compute in, and what a KV cache may hold.
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-CACHE_DTYPES = FLOAT_DTYPES + ("float8_e4m3fn",)
-
 
 @functools.lru_cache(maxsize=None)  # dtypes are few and hashable; called per argument per op
 def name(dtype):

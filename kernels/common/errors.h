@@ -90,6 +90,10 @@ inline ffi::Error CheckWorkspace(std::string_view op, const ffi::AnyBuffer& work
 inline constexpr int64_t kFloatDTypes[] = {XLA_FFI_DataType_F32, XLA_FFI_DataType_F16,
                                            XLA_FFI_DataType_BF16};
 
+// The dtypes a KV cache may hold: the float dtypes, and f8e4m3fn.
+inline constexpr int64_t kCacheDTypes[] = {XLA_FFI_DataType_F32, XLA_FFI_DataType_F16,
+                                           XLA_FFI_DataType_BF16, XLA_FFI_DataType_F8E4M3FN};
+
 inline bool IsFloatType(ffi::DataType dtype) {
   return std::find(std::begin(kFloatDTypes), std::end(kFloatDTypes),
                    static_cast<int64_t>(dtype)) != std::end(kFloatDTypes);

@@ -33,6 +33,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/contract.h"
 #include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
@@ -40,6 +41,20 @@ namespace xla_ext::kv_cache_update {
 
 inline constexpr char kTarget[] = "xla_ext.kv_cache_update";
 inline constexpr char kSlicesTarget[] = "xla_ext.kv_cache_update_slices";
+
+// Both ops' contract (kernels/common/contract.h): the dtypes a cache may hold (the rows
+// written take the cache's). The kernels copy bytes, but a cache of another dtype is no
+// cache any attention op reads.
+inline constexpr XlaExtSupportedValues kSupported[] = {
+    contract::Supported("dtype", "kv_cache", kCacheDTypes),
+};
+
+inline ffi::Error CheckCacheDType(const char* op, const ffi::AnyBuffer& kv_cache) {
+  const ffi::DataType dtype = kv_cache.element_type();
+  if (contract::Contains(kCacheDTypes, static_cast<int64_t>(dtype))) return ffi::Error::Success();
+  return ArgumentError(op, "kv_cache", "dtype f32, f16, bf16 or f8e4m3fn",
+                       std::string("dtype ") + DTypeName(dtype));
+}
 
 // Every slot below num_pages * page_size, or negative (data_checks.h).
 struct SlotNames {
@@ -60,6 +75,7 @@ inline ffi::Error CheckSlots(const ffi::AnyBuffer& key, const ffi::AnyBuffer& va
                              const ffi::AnyBuffer& kv_cache_out, SlotShapes& shapes) {
   const ffi::DataType dtype = kv_cache.element_type();
   XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "kv_cache", kv_cache, 4));
+  XLA_EXT_RETURN_IF_ERROR(CheckCacheDType(kTarget, kv_cache));
   XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "key", key, 3));
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "key", key, dtype));
   XLA_EXT_RETURN_IF_ERROR(CheckSameShape(kTarget, "value", value, "key", key));
@@ -98,6 +114,7 @@ inline ffi::Error CheckSlices(const ffi::AnyBuffer& kv, const ffi::AnyBuffer& sl
                               const ffi::AnyBuffer& kv_cache_out, SliceShapes& shapes) {
   const ffi::DataType dtype = kv_cache.element_type();
   XLA_EXT_RETURN_IF_ERROR(CheckRank(kSlicesTarget, "kv_cache", kv_cache, 3));
+  XLA_EXT_RETURN_IF_ERROR(CheckCacheDType(kSlicesTarget, kv_cache));
   XLA_EXT_RETURN_IF_ERROR(CheckRank(kSlicesTarget, "kv", kv, 3));
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kSlicesTarget, "kv", kv, dtype));
   const auto n = kv.dimensions();

@@ -3,6 +3,7 @@
 // The launch reads nothing on the host but the static shapes, so a call costs the same
 // whatever the data, and fits XLA's command buffers.
 #include <cstdint>
+#include <iterator>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
@@ -165,5 +166,9 @@ XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kKvCacheUpdateCuda,
                         XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 XLA_EXT_REGISTER_KERNEL(kSlicesTarget, "CUDA", kKvCacheUpdateSlicesCuda,
                         XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{
+    0, kTarget, static_cast<uint32_t>(std::size(kSupported)), kSupported, nullptr});
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{
+    0, kSlicesTarget, static_cast<uint32_t>(std::size(kSupported)), kSupported, nullptr});
 
 }  // namespace xla_ext::kv_cache_update

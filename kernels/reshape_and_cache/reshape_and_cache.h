@@ -22,12 +22,19 @@
 #include <string>
 #include <utility>
 
+#include "kernels/common/contract.h"
 #include "kernels/common/data_checks.h"
 #include "kernels/common/errors.h"
 
 namespace xla_ext::reshape_and_cache {
 
 inline constexpr char kTarget[] = "xla_ext.reshape_and_cache";
+
+// The op's contract (kernels/common/contract.h): the dtypes Check accepts (the caches and
+// value take key's).
+inline constexpr XlaExtSupportedValues kSupported[] = {
+    contract::Supported("dtype", "key", kFloatDTypes),
+};
 
 // Every slot below num_blocks * block_size, or negative (data_checks.h).
 struct SlotNames {

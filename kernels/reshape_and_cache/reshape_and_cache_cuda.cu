@@ -1,6 +1,7 @@
 // CUDA xla_ext.reshape_and_cache: one CTA per token copies its key and value rows (contiguous
 // in both the input and the cache slot) with 16-byte loads and stores where aligned.
 #include <cstdint>
+#include <iterator>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
@@ -89,5 +90,7 @@ XLA_FFI_DEFINE_HANDLER(kReshapeAndCacheCuda, ReshapeAndCacheCuda,
 }  // namespace
 
 XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kReshapeAndCacheCuda, XLA_EXT_NO_TRAITS);
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{
+    0, kTarget, static_cast<uint32_t>(std::size(kSupported)), kSupported, nullptr});
 
 }  // namespace xla_ext::reshape_and_cache

@@ -5,11 +5,17 @@
 
 #include <utility>
 
+#include "kernels/common/contract.h"
 #include "kernels/common/errors.h"
 
 namespace xla_ext::simple_add {
 
 inline constexpr char kTarget[] = "XlaGpuSimpleAdd";
+
+// The op's contract (kernels/common/contract.h): the dtypes Check accepts.
+inline constexpr XlaExtSupportedValues kSupported[] = {
+    contract::Supported("dtype", "a", kFloatDTypes),
+};
 
 inline ffi::Error Check(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                         const ffi::AnyBuffer& out) {

@@ -2,6 +2,7 @@
 // sectors, plus a scalar tail; runs at memory bandwidth for large tensors.
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/sm90.cuh"
@@ -74,5 +75,7 @@ XLA_FFI_DEFINE_HANDLER(kSimpleAddCuda, SimpleAddCuda,
 
 XLA_EXT_REGISTER_KERNEL(kTarget, "CUDA", kSimpleAddCuda,
                         XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+XLA_EXT_REGISTER_CONTRACT(XlaExtContract{
+    0, kTarget, static_cast<uint32_t>(std::size(kSupported)), kSupported, nullptr});
 
 }  // namespace xla_ext::simple_add

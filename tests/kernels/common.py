@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_xla_ext.jax_ops as xla_ext_jax  # noqa: E402,F401  (registers the kernels into JAX)
-from torch_xla_ext import sample_inputs  # noqa: E402
+from torch_xla_ext import checks, sample_inputs  # noqa: E402
 
 PLATFORM = os.environ.get("XLA_EXT_TEST_PLATFORM", "cpu")
 DEVICE = jax.devices(PLATFORM)[0]
@@ -24,6 +24,9 @@ HANDLERS_CHECK_DATA = PLATFORM == "cpu" or os.environ.get("XLA_EXT_DEBUG_CHECKS"
     "", "0")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# What a KV cache may hold, as the cache-writing ops' C++ contract declares it.
+CACHE_DTYPES = [getattr(torch, name)
+                for name in checks.supported("xla_ext.kv_cache_update", "dtype", "kv_cache")]
 TOLERANCES = sample_inputs.TOLERANCES
 
 

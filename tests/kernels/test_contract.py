@@ -38,6 +38,33 @@ def test_the_library_declares_each_attention_ops_sizes_and_dtypes():
         library.contract("xla_ext.no_such_op")
 
 
+def test_every_op_of_the_library_declares_its_contract():
+    library = _kernels.builtin_library()
+    assert sorted(library.contracts) == library.targets()
+    assert checks.supported("XlaGpuSimpleAdd", "dtype", "a") == (
+        "float32", "float16", "bfloat16")
+    assert checks.supported("xla_ext.reshape_and_cache", "dtype", "key") == (
+        "float32", "float16", "bfloat16")
+    for target in ("xla_ext.kv_cache_update", "xla_ext.kv_cache_update_slices"):
+        assert checks.supported(target, "dtype", "kv_cache") == (
+            "float32", "float16", "bfloat16", "float8_e4m3fn")
+    with pytest.raises(TorchXlaExtError, match=r"argument 'kv_cache': expected dtype float32, "
+                                               r"float16, bfloat16 or float8_e4m3fn, got dtype int8"):
+        checks.kv_cache_update(np.zeros((2, 2, 8), np.int8), np.zeros((2, 2, 8), np.int8),
+                               np.zeros((4, 4, 4, 8), np.int8), np.zeros((2,), np.int32))
+
+
+def test_the_cache_writes_handlers_refuse_what_their_contract_leaves_out():
+    """Past Python's checks, the handler's own: a cache of int8 is no cache attention reads."""
+    cache = np.zeros((4, 4, 4, 8), np.int8)
+    call = jax.ffi.ffi_call("xla_ext.kv_cache_update", jax.ShapeDtypeStruct(cache.shape, np.int8))
+    with pytest.raises(Exception, match=r"argument 'kv_cache': expected dtype f32, f16, bf16 or "
+                                        r"f8e4m3fn"):
+        jax.block_until_ready(jax.jit(call)(np.zeros((2, 2, 8), np.int8),
+                                            np.zeros((2, 2, 8), np.int8), cache,
+                                            np.zeros((2,), np.int32)))
+
+
 def _handler_error(target, operands, attributes):
     """The message of the handler's own check (the target called directly, past Python's)."""
     out = jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype)

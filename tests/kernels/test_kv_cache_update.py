@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from tests import reference
-from tests.kernels.common import DTYPES, HANDLERS_CHECK_DATA, to_jax, to_torch
+from tests.kernels.common import CACHE_DTYPES, HANDLERS_CHECK_DATA, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
 from torch_xla_ext import op_catalog, sample_inputs
 from torch_xla_ext.errors import TorchXlaExtError
-
-CACHE_DTYPES = DTYPES + [torch.float8_e4m3fn]
 
 
 def make_slot_inputs(num_tokens, num_kv_heads, head_size, num_pages, page_size, dtype, seed=0):

@@ -41,13 +41,12 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests import reference  # noqa: E402
-from tests.kernels.common import DTYPES, TOLERANCES, to_jax, to_torch  # noqa: E402
+from tests.kernels.common import CACHE_DTYPES, DTYPES, TOLERANCES, to_jax, to_torch  # noqa: E402
 from torch_xla_ext import checks, op_catalog, sample_inputs  # noqa: E402
 from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
 from torch_xla_ext.errors import TorchXlaExtError  # noqa: E402
 
 OPS = {op.name: op for op in op_catalog.OPS}
-CACHE_DTYPES = DTYPES + [torch.float8_e4m3fn]
 INT32_MAX = 2 ** 31 - 1
 
 
