@@ -4,6 +4,8 @@ of the runs of decode steps an engine launches."""
 
 import torch
 
+from torch_xla_ext.serving import hf
+
 # Lengths chosen to cross page (16) and budget (32) boundaries; arrivals spread over 6 steps.
 PROMPT_LENS = [5, 17, 40, 9, 23, 3]
 ARRIVALS = [0, 0, 1, 3, 3, 6]
@@ -11,6 +13,9 @@ MAX_NEW_TOKENS = 10
 # 8 pages of 16 tokens: the requests need 12 at once, so pages must be freed and reused.
 ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=16, max_model_len=128,
                    num_pages=8)
+# The tensor parallel tests' model: 8 query heads on 4 kv heads, head_dim 64, which split over
+# 2 and 4 devices.
+TP_CONFIG = dict(hf.TINY, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 
 
 def count_runs(engine):

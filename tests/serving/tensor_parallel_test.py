@@ -10,17 +10,14 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.serving.common import ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, prompts
+from tests.serving.common import ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, TP_CONFIG, prompts
 from torch_xla_ext import TorchXlaExtError
 from torch_xla_ext.serving import Engine, hf
-
-# 8 query heads on 4 kv heads, head_dim 64: splits over 2 and 4 devices.
-CONFIG = dict(hf.TINY, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return hf.random_model(CONFIG, seed=0)
+    return hf.random_model(TP_CONFIG, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +59,14 @@ def test_a_step_all_reduces_twice_per_layer_and_gathers_only_the_argmax(tied):
     """The layers' two all-reduces of [tokens, hidden]; the head split by vocabulary, whose
     argmax gathers each device's best value and index per sequence ([max_num_seqs, devices]);
     a tied head's embedding split too: one more all-reduce, of the embedded tokens."""
-    model = hf.random_model(dict(CONFIG, tie_word_embeddings=tied), seed=0)
+    model = hf.random_model(dict(TP_CONFIG, tie_word_embeddings=tied), seed=0)
     engine = Engine(model, backend="torchax", tensor_parallel_size=2, **ENGINE_ARGS)
     requests = prompts(model.config.vocab_size)[:2]
     want = [hf.reference_generate(model, p, 3)[0] for p in requests]
     assert engine.generate(requests, 3) == want
     assert tuple(engine.weights["embed" if tied else "lm_head"].sharding.spec) == ("tp",)
-    rows, hidden, seqs = 32, CONFIG["hidden_size"], ENGINE_ARGS["max_num_seqs"]
-    reduces = 2 * CONFIG["num_hidden_layers"] + tied
+    rows, hidden, seqs = 32, TP_CONFIG["hidden_size"], ENGINE_ARGS["max_num_seqs"]
+    reduces = 2 * TP_CONFIG["num_hidden_layers"] + tied
     assert sorted(_collectives(engine)) == sorted(
         [(f"f32[{rows},{hidden}]{{1,0}}", "all-reduce")] * reduces
         + [(f"f32[{seqs},2]{{0,1}}", "all-gather"), (f"s32[{seqs},2]{{0,1}}", "all-gather")])

@@ -23,15 +23,13 @@ import torch_xla.runtime as xr  # noqa: E402
 xr.use_spmd()
 
 from tests.serving.common import (  # noqa: E402
-    ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, count_runs, prompts)
+    ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, TP_CONFIG, count_runs, prompts)
 from torch_xla_ext import TorchXlaExtError  # noqa: E402
 from torch_xla_ext.serving import Engine, hf  # noqa: E402
 
 DEVICES = xr.global_runtime_device_count()
 assert DEVICES > 1, "run with CPU_NUM_DEVICES=2 or 4 (the Bazel targets set it)"
 SIZES = [n for n in range(2, DEVICES + 1) if DEVICES % n == 0]
-# 8 query heads on 4 kv heads, head_dim 64: splits over 2 and 4 devices.
-CONFIG = dict(hf.TINY, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
                         r"collective-permute)(?:-start)?\(.*replica_groups=(\{[{}\d,]*\}|"
                         r"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
@@ -55,7 +53,7 @@ def _device_groups(text):
 
 @pytest.fixture(scope="module")
 def model():
-    return hf.random_model(CONFIG, seed=0)
+    return hf.random_model(TP_CONFIG, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +111,7 @@ def test_a_step_all_reduces_twice_per_layer_and_gathers_only_the_argmax(tensor_p
     argmax gathers each device's best value and index per sequence ([max_num_seqs, N]); a
     tied head's embedding split too: one more all-reduce, of the embedded tokens. Each within
     a group of N devices; the caches donated, not copied."""
-    model = hf.random_model(dict(CONFIG, tie_word_embeddings=tied), seed=0)
+    model = hf.random_model(dict(TP_CONFIG, tie_word_embeddings=tied), seed=0)
     before = set(os.listdir(_DUMP))
     # 3 sequences, not the other tests' 4: graphs of their own, compiled (and dumped) here,
     # where torch_xla would reuse the executable of an equal graph compiled before.
@@ -125,8 +123,8 @@ def test_a_step_all_reduces_twice_per_layer_and_gathers_only_the_argmax(tensor_p
     head = engine.weights["embed" if tied else "lm_head"]
     assert torch_xla._XLAC._get_xla_sharding_spec(head) == _split_spec(tensor_parallel_size, 2, 0)
 
-    n, hidden, seqs = tensor_parallel_size, CONFIG["hidden_size"], engine.max_num_seqs
-    layers = CONFIG["num_hidden_layers"]
+    n, hidden, seqs = tensor_parallel_size, TP_CONFIG["hidden_size"], engine.max_num_seqs
+    layers = TP_CONFIG["num_hidden_layers"]
     groups = tuple(tuple(range(g * n, g * n + n)) for g in range(DEVICES // n))
     modules = _step_modules(before)
     rows_of_steps = set()
@@ -150,7 +148,7 @@ def test_sizes_it_cannot_split_name_the_argument(model):
                            rf"a divisor of the {DEVICES} CPU devices torch_xla sees .*, "
                            rf"got {size}$"):
             Engine(model, backend="torch_xla", tensor_parallel_size=size, **ENGINE_ARGS)
-    one_kv_head = hf.random_model(dict(CONFIG, num_key_value_heads=1), seed=0)
+    one_kv_head = hf.random_model(dict(TP_CONFIG, num_key_value_heads=1), seed=0)
     with pytest.raises(TorchXlaExtError, match=r"tensor_parallel_size: expected a divisor of the "
                        r"model's num_key_value_heads = 1, got 2"):
         Engine(one_kv_head, backend="torch_xla", tensor_parallel_size=2, **ENGINE_ARGS)
