@@ -100,6 +100,16 @@ sanitize_run() {  # tool, debug checks (0/1), label, pytest arguments...
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"
   [[ $code == 0 ]] || { status=1; tail -30 "/tmp/sanitizer-$tool.txt" | tee -a "$TESTS"; }
 }
+# Ragged attention's GPU tests again on each of its kernels, forced (the handler's choice is the
+# plain run).
+ragged_each_kernel() {
+  local kernel
+  for kernel in warpgroup tensor_core simt; do
+    step "ragged, XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel"
+    XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
+      tests/kernels/test_ragged_paged_attention.py 2>&1 | tail -1 | tee -a "$TESTS" || status=1
+  done
+}
 sanitize() {  # tools...
   command -v compute-sanitizer > /dev/null || { step "compute-sanitizer: not installed"; status=1; return; }
   local tool
@@ -279,11 +289,7 @@ if [[ $PHASE == ragged ]]; then
     step "ragged paged attention through JAX on the GPU: the handler's choice, then each kernel everywhere"
     XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/kernels/test_ragged_paged_attention.py 2>&1 | \
       tail -3 | tee -a "$TESTS" || status=1
-    for kernel in warpgroup tensor_core simt; do
-      XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
-        tests/kernels/test_ragged_paged_attention.py 2>&1 | tail -1 | sed "s/^/$kernel kernel: /" | \
-        tee -a "$TESTS" || status=1
-    done
+    ragged_each_kernel
     for tool in memcheck racecheck; do
       for kernel in default tensor_core; do
         XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel sanitize_run "$tool" 0 \
@@ -367,13 +373,7 @@ XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" tests/gpu/debug_checks_test.py 2>&1 | 
 step "our CUDA handlers registered into JAX's CUDA PJRT plugin through its FFI extension"
 python3 tests/gpu/plugin_registration.py > "$OUT/$GPU-plugin.txt" 2>&1 || status=1
 tail -3 "$OUT/$GPU-plugin.txt" | tee -a "$TESTS"
-
-# Ragged attention's cases again on each of its kernels, forced (the handler's choice ran above).
-for kernel in warpgroup tensor_core simt; do
-  step "ragged, XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel"
-  XLA_EXT_RAGGED_PAGED_ATTENTION_KERNEL=$kernel XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" \
-    tests/kernels/test_ragged_paged_attention.py 2>&1 | tail -1 | tee -a "$TESTS" || status=1
-done
+ragged_each_kernel  # the handler's choice ran with tests/kernels above
 fi
 [[ $PHASE == tests ]] && { step "done, status $status"; exit $status; }
 
