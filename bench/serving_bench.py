@@ -133,17 +133,17 @@ def _mode(engine):
     return "async" if engine.async_scheduling else "sync"
 
 
-def _profile(engine, profile_steps):
+def _profile(engine, profile_steps, timeline=None):
     """gpu_profile of profile_steps steps; with runs of decode steps, of that many runs, each
     launched and waited for in its first step() (async scheduling off meanwhile, after the
     steps in flight are reported): the trace holds exactly their work."""
     if engine.max_decode_steps == 1:
-        return gpu_profile(engine.step, profile_steps)
+        return gpu_profile(engine.step, profile_steps, timeline)
     engine.async_scheduling = False
     try:
         while engine._in_flight is not None or engine._unreported:
             engine.step()
-        return gpu_profile(engine.step, profile_steps * engine.max_decode_steps)
+        return gpu_profile(engine.step, profile_steps * engine.max_decode_steps, timeline)
     finally:
         engine.async_scheduling = True
 
@@ -165,7 +165,8 @@ def ours_decode(engine, batch, args, profile_steps, host, run):
     assert all(o.num_seqs == batch and o.num_prefill_tokens == 0 for o in outs), \
         [(o.num_seqs, o.num_prefill_tokens) for o in outs]
     host_us = host.per_step_us(args.steps)
-    profile = _profile(engine, profile_steps) if profile_steps else None
+    timeline = _timeline(args, f"decode B={batch},context={args.context} {_mode(engine)}")
+    profile = _profile(engine, profile_steps, timeline) if profile_steps else None
     while engine.has_unfinished():  # free the pages for the next row
         engine.step()
     return _with_floor({
@@ -175,6 +176,13 @@ def ours_decode(engine, batch, args, profile_steps, host, run):
         "bucket": outs[0].bucket, "prefill_s": round(prefill_s, 3), "host_us": host_us},
         profile, floor_ms(engine, run["weight_bytes"], batch * (args.context + args.warmup),
                           run["copy_gbps"])), profile
+
+
+def _timeline(args, label):
+    """What gpu_profile calls with a GPU's events to write them to --timeline, or None."""
+    if not args.timeline:
+        return None
+    return lambda events: write_timeline(args.timeline, label, events)
 
 
 def _with_floor(row, profile, floor):
@@ -201,7 +209,8 @@ def ours_mixed(engine, args, profile_steps, host, run):
     assert all(o.num_prefill_tokens > 0 and o.num_tokens - o.num_prefill_tokens >= MIXED_DECODES
                for o in outs), [(o.num_tokens, o.num_prefill_tokens) for o in outs]
     host_us = host.per_step_us(args.steps)
-    profile = gpu_profile(engine.step, profile_steps) if profile_steps else None
+    timeline = _timeline(args, f"mixed {_mode(engine)}")
+    profile = gpu_profile(engine.step, profile_steps, timeline) if profile_steps else None
     tokens = sum(o.num_tokens for o in outs) / args.steps
     prefill = sum(o.num_prefill_tokens for o in outs) / args.steps
     row = {"op": "serving_mixed", "impl": _impl(engine), "scheduling": _mode(engine),
@@ -223,7 +232,7 @@ def ours_mixed(engine, args, profile_steps, host, run):
                                               run["copy_gbps"])), profile
 
 
-def gpu_profile(step, num_steps):
+def gpu_profile(step, num_steps, timeline=None):
     """GPU time of num_steps calls of step() by kernel, and our custom calls' share (each step
     returns once its token ids are on the host, so the trace holds its work; with async
     scheduling it holds the step launched before the trace began and misses the last one
@@ -242,6 +251,9 @@ def gpu_profile(step, num_steps):
     for e in events:
         devices.setdefault(e.device_index, []).append(e)
     gpu_us = max(_busy_us(e) for e in devices.values()) / num_steps
+    busiest = max(devices.values(), key=_busy_us)
+    if timeline is not None:
+        timeline(busiest)
     ours = {n: t for n, t in kernels.items() if "xla_ext" in n}
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     return {"steps": num_steps, "wall_us_per_step": round(wall_us, 1),
@@ -252,6 +264,7 @@ def gpu_profile(step, num_steps):
             "custom_call_share_of_step_time": round(sum(ours.values()) / wall_us, 4),
             "custom_call_kernels_us": {n[:120]: round(t, 1) for n, t in ours.items()},
             "top_kernels_us": {n[:120]: round(t, 1) for n, t in top},
+            "idle_before_kernels_us": _idle_before(busiest, num_steps),
             "per_device": {str(d): _device_summary(e, num_steps)
                            for d, e in sorted(devices.items())} if len(devices) > 1 else None}
 
@@ -263,6 +276,35 @@ def _busy_us(events):
         busy += max(e.time_range.end - max(e.time_range.start, end), 0)
         end = max(end, e.time_range.end)
     return busy
+
+
+def _idle_before(events, num_steps, top=8):
+    """Where one GPU waits: per step, the idle time (no kernel running) that ends at a kernel
+    of each name, for the `top` names with the most: what the GPU waited to start."""
+    idle, end = {}, None
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if end is not None and e.time_range.start > end:
+            idle[e.name] = idle.get(e.name, 0.0) + (e.time_range.start - end) / num_steps
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    return {n[:120]: round(t, 1) for n, t in sorted(idle.items(), key=lambda kv: -kv[1])[:top]}
+
+
+def write_timeline(path, label, events, lines=400):
+    """Appends to `path` `lines` consecutive kernels of one GPU's trace from its middle (a
+    step's worth at most): start and end (µs from the first listed start), the idle time
+    before each, and its name."""
+    events = sorted(events, key=lambda e: e.time_range.start)
+    middle = events[len(events) // 3:][:lines]
+    origin = middle[0].time_range.start
+    end = origin
+    with open(path, "a") as f:
+        f.write(f"== {label}: {len(middle)} kernels of {len(events)} in the trace\n")
+        f.write(f"{'start us':>10} {'end us':>10} {'idle before':>11}  kernel\n")
+        for e in middle:
+            idle = max(e.time_range.start - end, 0.0)
+            f.write(f"{e.time_range.start - origin:10.1f} {e.time_range.end - origin:10.1f} "
+                    f"{idle:11.1f}  {e.name[:100]}\n")
+            end = max(end, e.time_range.end)
 
 
 def _device_summary(events, num_steps):
@@ -363,6 +405,9 @@ def main():
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help=f"comma-separated, of {','.join(IMPLS)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeline", metavar="PATH",
+                        help="append each profile's kernel sequence (one GPU, from the middle "
+                             "of its trace) to PATH")
     parser.add_argument("--backend", choices=["torchax", "torch_xla"], default="torchax",
                         help="our engine's backend")
     parser.add_argument("--compile-deadline-s", type=float, default=200.0,

@@ -29,7 +29,8 @@
 #   serving:  the serving loop (torch_xla_ext/serving) through torchax against transformers on
 #             this GPU: bench/serving_compare.py -> <gpu>-serving-compare.json (tokens, first
 #             divergence, logit differences) and bench/serving_bench.py -> <gpu>-serving.json
-#             (throughput, time per step, profile); logs in <gpu>-serving.txt, its summary
+#             (throughput, time per step, profile) and <gpu>-serving-timeline.txt (each
+#             profile's kernels in order); logs in <gpu>-serving.txt, its summary
 #             lines in <gpu>-serving-summary.txt. Needs the
 #             transformers wheel in .whl/ too (bench/README.md). SERVING_COMPARE=0 runs the
 #             benchmark alone (with the build, it then fits one 10-minute call)
@@ -322,8 +323,9 @@ if [[ $PHASE == serving ]]; then
       grep -v -i warn | tee -a "$LOG" | grep -E "requests equal|wrote|Error" | tee -a "$TESTS" || status=1
   fi
   step "serving loop throughput: bench/serving_bench.py" | tee -a "$LOG"
+  rm -f "$OUT/$GPU-serving-timeline.txt"
   timeout 450 python3 bench/serving_bench.py --steps 24 --compile-deadline-s 330 \
-    --out "$OUT/$GPU-serving.json" 2>&1 | \
+    --out "$OUT/$GPU-serving.json" --timeline "$OUT/$GPU-serving-timeline.txt" 2>&1 | \
     grep -v -i warn | tee -a "$LOG" | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
