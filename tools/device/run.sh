@@ -33,7 +33,8 @@
 #             profile's kernels in order); logs in <gpu>-serving.txt, its summary
 #             lines in <gpu>-serving-summary.txt. Needs the
 #             transformers wheel in .whl/ too (bench/README.md). SERVING_COMPARE=0 runs the
-#             benchmark alone (with the build, it then fits one 10-minute call)
+#             benchmark alone (with the build, it then fits one 10-minute call); SERVING_ARGS
+#             adds serving_bench.py arguments (e.g. "--impls ours --modes runs --no-mixed")
 #   serving_flags: bench/serving_bench.py --impls ours again with XLA_FLAGS=$SERVING_XLA_FLAGS
 #             (e.g. --xla_gpu_enable_triton_gemm=false), to set beside the serving phase's rows
 #             of the same lease -> <gpu>-serving-flags.json
@@ -325,7 +326,8 @@ if [[ $PHASE == serving ]]; then
   step "serving loop throughput: bench/serving_bench.py" | tee -a "$LOG"
   rm -f "$OUT/$GPU-serving-timeline.txt"
   timeout 450 python3 bench/serving_bench.py --steps 24 --compile-deadline-s 330 \
-    --out "$OUT/$GPU-serving.json" --timeline "$OUT/$GPU-serving-timeline.txt" 2>&1 | \
+    --out "$OUT/$GPU-serving.json" --timeline "$OUT/$GPU-serving-timeline.txt" \
+    ${SERVING_ARGS:-} 2>&1 | \
     grep -v -i warn | tee -a "$LOG" | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
   step "done, status $status"
   exit $status
