@@ -3,6 +3,8 @@ torch (CUDA tensors), for a profiler:
 
     ncu --kernel-name "regex:AttendKernel|CombineKernel" --launch-skip 4 --launch-count 2 \\
         python3 bench/profile_ragged_attention.py --mix "decode 64 x 2048"
+    python3 bench/profile_ragged_attention.py --decode 1,2048 --heads 32,8,64 --max-num-seqs 64 \
+        --padding-rows 15 --trace       # the 1B model's attention call in a B=1 serving step
 
 Four calls; each launches the attention kernel and its combine kernel
 (`tools/device/run.sh ncu_ragged` profiles the third call's, into
@@ -23,28 +25,47 @@ import torch
 from torch_xla_ext import sample_inputs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ragged_bench import D, H, KVH, MIXES, PAGE, SCALE  # noqa: E402
+from ragged_bench import D, H, KVH, MIXES, PAGE  # noqa: E402
 
 mixes = {name: (q_lens, kv_lens) for name, q_lens, kv_lens in MIXES}
 parser = argparse.ArgumentParser()
-parser.add_argument("--mix", required=True, help="a mix name of ragged_bench.MIXES")
+parser.add_argument("--mix", help="a mix name of ragged_bench.MIXES")
+parser.add_argument("--decode", metavar="B,L",
+                    help="instead of --mix: B decode steps (one query row each) at L tokens")
+parser.add_argument("--heads", metavar="H,KVH,D", default=f"{H},{KVH},{D}",
+                    help="query heads, kv heads and head size (default: ragged_bench's)")
+parser.add_argument("--max-num-seqs", type=int,
+                    help="the batch's sequence slots (default: its sequences), as a serving "
+                         "engine pads them")
+parser.add_argument("--padding-rows", type=int, default=0,
+                    help="query rows past the last sequence's, as a bucketed step has")
 parser.add_argument("--trace", action="store_true",
                     help="print the GPU timeline of three calls replayed in a CUDA graph (CUPTI)")
 parser.add_argument("--clocks", type=float, metavar="SECONDS",
                     help="replay calls for SECONDS and print the SM clock and power nvidia-smi "
                     "samples meanwhile")
 args = parser.parse_args()
-if args.mix not in mixes:
+if (args.mix is None) == (args.decode is None):
+    parser.error("expected one of --mix and --decode")
+if args.mix is not None and args.mix not in mixes:
     parser.error(f"--mix: expected one of {sorted(mixes)}, got {args.mix!r}")
 if args.clocks is not None and args.clocks <= 0:
     parser.error(f"--clocks: expected a positive number of seconds, got {args.clocks}")
-q_lens, kv_lens = mixes[args.mix]
-inputs = sample_inputs.ragged_paged_attention(q_lens, kv_lens, H, KVH, D, PAGE, torch.bfloat16,
-                                              device="cuda")
+if args.mix is not None:
+    q_lens, kv_lens = mixes[args.mix]
+else:
+    batch, length = (int(v) for v in args.decode.split(","))
+    q_lens, kv_lens = [1] * batch, [length] * batch
+    args.mix = f"decode {batch} x {length}"
+num_heads, num_kv_heads, head_dim = (int(v) for v in args.heads.split(","))
+inputs = sample_inputs.ragged_paged_attention(q_lens, kv_lens, num_heads, num_kv_heads, head_dim,
+                                              PAGE, torch.bfloat16,
+                                              max_num_seqs=args.max_num_seqs,
+                                              padding_rows=args.padding_rows, device="cuda")
 
 
 def call():
-    torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=SCALE)
+    torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=head_dim ** -0.5)
 
 
 for _ in range(4):
