@@ -182,6 +182,7 @@ def _timeline(args, label):
     """What gpu_profile calls with a GPU's events to write them to --timeline, or None."""
     if not args.timeline:
         return None
+    label = f"{args.config} model, TP={args.tensor_parallel_size}, {label}"
     return lambda events: write_timeline(args.timeline, label, events)
 
 

@@ -33,6 +33,8 @@ KINDS = {
     "serving-torch-xla": "`tools/device/torch_xla_gpu.sh run bench`: serving_bench.py through "
                          "torch_xla, then torchax, one lease",
     "serving-compare": "`tools/device/run.sh serving`: bench/serving_compare.py",
+    "serving-tp-timeline": "`tools/device/run.sh tp`: serving_bench.py --timeline per model and "
+                           "TP size, the busiest GPU's kernels in order",
     "serving-timeline": "`tools/device/run.sh serving`: bench/serving_bench.py --timeline, "
                         "each profile's kernels in order on the GPU, idle time before each",
     "": "`tools/device/run.sh bench`: bench/decode_bench.py (paged attention, simple_add, dispatch)",
@@ -509,7 +511,8 @@ LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),
         ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("serving-summary", "txt")]
 PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"),
             (r"ncu-ragged-sass-(?P<table>[0-9]+)", "csv"), ("dispatch-record-probe", "txt"),
-            ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt")]
+            ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt"),
+            ("serving-tp-timeline", "txt")]
 PLOTS = {"": "bench/plot.py of the same GPU's .json"}
 
 

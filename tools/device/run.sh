@@ -39,7 +39,8 @@
 #             (e.g. --xla_gpu_enable_triton_gemm=false), to set beside the serving phase's rows
 #             of the same lease -> <gpu>-serving-flags.json
 #   tp:       the serving engine with tensor_parallel_size 1 and 2 (TP_SIZES), 8B- and 1B-class
-#             models, per-GPU traces -> <gpu>-serving-{8b,1b}-tp{1,2}.json (GPU=h100x2 on two)
+#             models, per-GPU traces -> <gpu>-serving-{8b,1b}-tp{1,2}.json (GPU=h100x2 on two),
+#             and the kernels in order on the busiest GPU -> <gpu>-serving-tp-timeline.txt
 #   tp2:      bench/tp_bench.py --tp 2 (needs two GPUs): one decoder layer's serving step with
 #             heads split over 2 GPUs against 1 GPU, step times and the collective share
 #             -> <gpu>-tp2.json
@@ -186,6 +187,7 @@ if [[ $PHASE == tp ]]; then
   # the rest. On two H100s it took the 8B model's TP=2 step from 5.06 to 4.82 ms at B=1 and from
   # 8.81 to 8.39 ms at B=64, and the 1B model's from 1.55 to 1.49 ms.
   export XLA_FLAGS="${TP_XLA_FLAGS-"--xla_gpu_experimental_use_collective_kernels= --xla_gpu_enable_command_buffer=+COLLECTIVES"}"
+  [[ ${SKIP_BUILD:-0} == 1 ]] || rm -f "$OUT/$GPU-serving-tp-timeline.txt"
   for tp in ${TP_SIZES:-1 2}; do
     for model in ${TP_MODELS:-8b 1b}; do
       batches=$([[ $model == 8b ]] && echo 1,64 || echo 1)
@@ -195,7 +197,8 @@ if [[ $PHASE == tp ]]; then
       timeout 540 python3 bench/serving_bench.py --config "$model" --impls ours --no-mixed \
         --device cpu \
         --batches "$batches" --modes "${TP_MODES:-runs}" --steps 24 --tensor-parallel-size "$tp" \
-        --out "$OUT/$GPU-serving-$model-tp$tp.json" 2>&1 | grep -v -i warn | \
+        --out "$OUT/$GPU-serving-$model-tp$tp.json" --timeline "$OUT/$GPU-serving-tp-timeline.txt" \
+        2>&1 | grep -v -i warn | \
         grep -E "tokens/s|wrote|Error" | tee -a "$TESTS"
       [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
