@@ -11,7 +11,8 @@
 //   to CombinePartitionsKernel. One warp per kv head; a token's rows for the CTA's kv heads are
 //   contiguous in the NHD cache (with K and V interleaved, as in the ragged op's cache, its
 //   (K, V) pairs of the CTA's kv heads are one run), and with every kv head in the CTA so are
-//   two consecutive tokens': one TMA bulk copy moves a pair of tokens into shared memory.
+//   those of consecutive tokens of one block: one TMA bulk copy moves a run of 2 or 4 tokens
+//   into shared memory (Layout says which).
 // - Stages (their K and V rows) stream through a ring of num_stages buffers. A producer warp
 //   walks the CTA's stages and issues the copies, telling the consumers which sequence and
 //   tokens each stage holds; a buffer's `full` mbarrier completes when its
@@ -27,11 +28,11 @@
 //   policies: B=1, L=32768 -2.5 to -3.3 us per call, the other shapes unchanged or faster; the
 //   copies' policy alone made B=32 2-3 us slower, and reading the partials back evict-first in
 //   the combine kernel was no better.
-// Shared-memory runs of two tokens are padded by 16 bytes so that ldmatrix's 8 rows of 8 even
-// (or odd) tokens fall in distinct banks (Layout). Measured on an H100: one L2 prefetch per
-// block-sized run of tokens, a
-// stage ahead, raised B=32, L=4096 from 82% to 88% of copy bandwidth in the same timing; copies
-// of one kv head's 256-byte rows reached only about 50%.
+// Shared-memory runs of tokens are padded by 16 bytes so that ldmatrix's 8 rows of 8 even (or
+// odd) tokens fall in distinct banks, or two to a bank with runs of 4 (Layout). Measured on an
+// H100: one L2 prefetch per block-sized run of tokens, a stage ahead, raised B=32, L=4096 from
+// 82% to 88% of copy bandwidth in the same timing; copies of one kv head's 256-byte rows
+// reached only about 50%.
 // Before the batch was split by its actual lengths, partitions were sized from the longest
 // possible sequence, and one long sequence beside short ones ran at 6% of copy bandwidth.
 #ifndef XLA_EXT_KERNELS_ATTENTION_DECODE_TENSOR_CORE_CUH_
@@ -73,31 +74,47 @@ constexpr int kHeaderBytes =
      kScheduleScratchInts * sizeof(int) + 15) / 16 * 16;
 static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 
-// A stage in shared memory: its tokens in pairs (2i, 2i + 1), each pair one run of the two tokens'
-// rows (a token's row: the CTA's kv heads' K rows, or with K and V interleaved in the cache their
-// (K, V) pairs), the runs padded by 16 bytes; with K and V apart, kStageTokens / 2 runs of K, then
-// as many of V. Where a CTA holds every kv head a pair's rows are contiguous in the cache, so one
-// copy moves them: the copies are issued one lane at a time, and fewer, larger ones stream faster
-// (on the H100 at head_dim 64, 64 x 2048: one 1 KB copy per token and cache reached 73% of copy
-// bandwidth, pairs 86-89%; in the serving loop's decode step, 16 layers, two 1 KB copies per
-// token took 1926 us, one 2 KB copy 1672 us). The padding puts the
-// 8 runs' starts in distinct 16-byte bank groups (their stride is an odd multiple of 16 modulo
-// 128), so the consumers' ldmatrix rows, 8 even or 8 odd tokens, fall in distinct banks: an S
-// tile's 8 columns are the stage's even tokens or its odd ones.
+// A stage in shared memory: its tokens in runs of R = run_tokens consecutive ones (2 or 4), each
+// run the R tokens' rows (a token's row: the CTA's kv heads' K rows, or with K and V interleaved
+// in the cache their (K, V) pairs), the runs padded by 16 bytes; with K and V apart,
+// kStageTokens / R runs of K, then as many of V. Token t of a stage sits at
+// (t / R) * run_stride + (t % R) * token_bytes. Where a CTA holds every kv head a run's rows are
+// contiguous in the cache (its tokens are in one block: runs start at multiples of R, stages at
+// multiples of kStageTokens, and blocks hold a power of two of at least R tokens), so one copy
+// moves them. The copies are issued one lane at a time, and while they are small their count,
+// not their bytes, limits the stream (on the H100: one 1 KB copy per token reached 73% of copy
+// bandwidth, 2 KB pair copies 86-89%; in the serving loop's decode step, 16 layers, two 1 KB
+// copies per token took 1926 us, one 2 KB copy 1672 us). So R is the smaller of 2 and 4 whose
+// copy reaches kDecodeMinCopyBytes (tuning.h), else 4; 2 where tokens are copied one by one
+// anyway (a CTA without every kv head) or blocks are shorter than 4 tokens. On the H100, runs
+// of 4 of paged_attention's 1 KB K (and V) rows, head_dim 64 and 8 kv heads, 64 x 2048, took
+// 98.5 us against 109.2 with pairs (91% of copy bandwidth against 82%); runs of 4 of the ragged
+// op's 2 KB (K, V) rows, 8 KB copies, were no faster than pairs (1B step shape 109.3 us against
+// 106.5, the TP=2 shard 105.7 both), so the default threshold, 4 KB, keeps those in pairs.
+// The padding puts the runs' starts in distinct 16-byte bank groups (their stride is an odd
+// multiple of 16 modulo 128), so with R = 2 the consumers' ldmatrix rows, 8 even or 8 odd tokens
+// (an S tile's 8 columns are the stage's even tokens or its odd ones), fall in distinct banks;
+// with R = 4 two of them share a run, a 2-way bank conflict, taken for the fewer copies.
 struct Layout {
   static constexpr int kRunPadding = 16;  // bytes
   int token_bytes;  // one token's copied row
-  int run_stride;   // bytes of a pair's run in shared memory, padded
+  int run_tokens;   // R
+  int run_stride;   // bytes of a run in shared memory, padded
   int stage_bytes;
 
-  static Layout For(int kv_heads_per_cta, int head_size, int element_size, bool kv_interleaved) {
+  static Layout For(int kv_heads_per_cta, int num_kv_heads, int head_size, int element_size,
+                    bool kv_interleaved, int block_size) {
     const int row_bytes = kv_heads_per_cta * head_size * element_size;
     const int token_bytes = kv_interleaved ? 2 * row_bytes : row_bytes;
-    const int run_stride = 2 * token_bytes + kRunPadding;
-    const int runs = (kv_interleaved ? 1 : 2) * kStageTokens / 2;
-    return {token_bytes, run_stride, runs * run_stride};
+    const bool whole_rows = kv_heads_per_cta == num_kv_heads;  // a run's rows are contiguous
+    const int run_tokens =
+        whole_rows && block_size >= 4 && 2 * token_bytes < tuning::kDecodeMinCopyBytes ? 4 : 2;
+    const int run_stride = run_tokens * token_bytes + kRunPadding;
+    const int runs = (kv_interleaved ? 1 : 2) * kStageTokens / run_tokens;
+    return {token_bytes, run_tokens, run_stride, runs * run_stride};
   }
 };
+static_assert(kStageTokens % 4 == 0, "runs of 2 or 4 tokens tile a stage");
 
 inline int SharedBytes(const Layout& layout, int num_stages) {
   return kHeaderBytes + num_stages * layout.stage_bytes;
@@ -175,20 +192,21 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   const int num_iters = range.end - range.begin;
 
   if (warp == kv_heads_per_cta) {
-    // Producer: lane i < 8 copies the K rows of the stage's tokens 2i and 2i + 1, lane 8 + i
-    // their V rows (interleaved: lane i their (K, V) pairs, lanes 8-15 nothing); lanes 16-31
-    // only arrive. A pair is one copy where its rows are contiguous in the cache (every kv head
-    // in the CTA; the two tokens are in one block, of at least 8 tokens), else two. The next
-    // stage's block-table entry is loaded before waiting for its buffer. With every kv head in
-    // the CTA, a block's rows are one contiguous run: one L2 prefetch per run, a stage ahead,
-    // turns the next stage's copies into L2 hits. Only while the grid streams alone: on a share
-    // of it, beside the ragged tiled kernel, the prefetches' L2 traffic slowed that kernel more
-    // than they sped this one (4 chunks of 256 + 60 decodes x 1024: 126.5-129.3 us with them,
-    // 123.6-123.7 without, on the H100). Tokens before the window
-    // are skipped.
-    constexpr int kPairs = kStageTokens / 2;
-    const int pair = lane % kPairs;
-    const int part = lane / kPairs;  // 0: K (or K and V), 1: V
+    // Producer: of a stage's runs of R tokens (Layout), kStageTokens / R, lane i copies the K
+    // rows of run i (tokens R * i to R * i + R - 1), lane runs + i their V rows (interleaved:
+    // lane i their (K, V) pairs, lanes runs + i nothing); the other lanes only arrive. A run is
+    // one copy where its rows are contiguous in the cache (every kv head in the CTA) and all its
+    // tokens are copied, else one copy per token. The next stage's block-table entries are
+    // loaded before waiting for its buffer. With every kv head in the CTA, a block's rows are
+    // contiguous: one L2 prefetch per block-sized run of tokens, a stage ahead, turns the next
+    // stage's copies into L2 hits. Only while the grid streams alone: on a share of it, beside
+    // the ragged tiled kernel, the prefetches' L2 traffic slowed that kernel more than they sped
+    // this one (4 chunks of 256 + 60 decodes x 1024: 126.5-129.3 us with them, 123.6-123.7
+    // without, on the H100). Tokens before the window are skipped.
+    const int run_tokens = layout.run_tokens;
+    const int runs = kStageTokens / run_tokens;
+    const int run = lane % runs;
+    const int part = lane / runs;  // 0: K (or K and V), 1: V
     const bool copier = part == 0 || (part == 1 && !p.kv_interleaved);
     const bool whole_rows = kv_heads_per_cta == p.num_kv_heads;
     const uint32_t token_bytes = layout.token_bytes;
@@ -208,27 +226,29 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     const auto first_token = [&]() {
       return (SkippedStages(p.window, walk.length) + walk.unit) * kStageTokens;
     };
-    // The element offsets of this lane's two tokens' rows in the walk's stage, -1 for a token
-    // not copied.
-    struct PairRows {
-      int64_t first = -1;
-      int64_t second = -1;
+    // This lane's run in the walk's stage: which of its tokens are copied (bit k: its token k,
+    // inside the sequence and the window, of a block in the cache), and the element offset of
+    // its first token's row (its tokens share a block: their rows follow it slot by slot).
+    struct RunRows {
+      uint32_t tokens = 0;
+      int64_t first = 0;
     };
-    const auto pair_rows = [&]() {
-      PairRows rows;
-      const int t = first_token() + 2 * pair;
+    const auto run_rows = [&]() {
+      RunRows rows;
+      const int t = first_token() + run * run_tokens;
       if (!copier || t >= walk.length) return rows;
       const int block = p.block_tables[static_cast<int64_t>(walk.seq) * p.max_blocks_per_seq +
                                        (t >> p.log2_block_size)];
       if (block < 0 || block >= p.num_blocks) return rows;
       const int64_t slot = (static_cast<int64_t>(block) << p.log2_block_size) +
                            (t & ((1 << p.log2_block_size) - 1));
-      const int window_start = WindowStart(p, walk.length);
-      if (t >= window_start) rows.first = slot * slot_elements;
-      if (t + 1 < walk.length && t + 1 >= window_start) rows.second = (slot + 1) * slot_elements;
+      const int begin = max(WindowStart(p, walk.length) - t, 0);
+      const int end = min(walk.length - t, run_tokens);
+      if (begin < end) rows.tokens = (1u << end) - (1u << begin);
+      rows.first = slot * slot_elements;
       return rows;
     };
-    PairRows rows = pair_rows();
+    RunRows rows = run_rows();
     for (int iter = 0; iter < num_iters; ++iter) {
       const int slot = iter % num_stages;
       const StageInfo info{walk.seq, first_token(), walk.length,
@@ -240,24 +260,27 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
         p.seq_records[walk.seq] =
             make_int2(blockIdx.x + walk.seq, last_cta - static_cast<int>(blockIdx.x) + 1);
       }
-      PairRows next;
+      RunRows next;
       if (iter + 1 < num_iters) {
         walk.Next();
-        next = pair_rows();
+        next = run_rows();
       }
       if (iter >= num_stages) {
         sm90::WaitParity(sm90::SharedAddress(&empty[slot]), (iter / num_stages - 1) & 1);
       }
-      // Bit i: token 2i (S tile 0's column i); bit 8 + i: token 2i + 1 (tile 1's).
-      const uint32_t valid = (__ballot_sync(0xffffffffu, rows.first >= 0) & 0xffu) |
-                             (__ballot_sync(0xffffffffu, rows.second >= 0) & 0xffu) << kPairs;
-      const bool joined = whole_rows && rows.first >= 0 && rows.second >= 0;
-      const uint32_t bytes =
-          (rows.first >= 0 ? token_bytes : 0) + (rows.second >= 0 ? token_bytes : 0);
-      const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+      // Bit i: token 2i (S tile 0's column i); bit 8 + i: token 2i + 1 (tile 1's). Each lane
+      // gives its run's bits (a V lane the same as its K lane).
+      uint32_t mine = 0;
+      for (int k = 0; k < run_tokens; ++k) {
+        const int token = run * run_tokens + k;
+        if ((rows.tokens >> k) & 1u) mine |= 1u << ((token % 2) * (kStageTokens / 2) + token / 2);
+      }
+      const uint32_t valid = __reduce_or_sync(0xffffffffu, mine);
+      const bool joined = whole_rows && rows.tokens == (1u << run_tokens) - 1;
+      const uint32_t total = __reduce_add_sync(0xffffffffu, __popc(rows.tokens) * token_bytes);
       const uint32_t barrier = sm90::SharedAddress(&full[slot]);
       unsigned char* dst =
-          stages + slot * layout.stage_bytes + (part * kPairs + pair) * layout.run_stride;
+          stages + slot * layout.stage_bytes + (part * runs + run) * layout.run_stride;
       // Every lane arrives (lane 0 releasing the stage's description and token mask). A
       // skipped token's rows are not written: the consumers replace its scores and mask its V
       // rows.
@@ -270,19 +293,19 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
       }
       __syncwarp();  // the bytes are expected before any copy can complete
       if (joined) {
-        sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + rows.first, 2 * token_bytes,
-                               barrier, read_once);
+        sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + rows.first,
+                               run_tokens * token_bytes, barrier, read_once);
       } else {
-        if (rows.first >= 0) {
-          sm90::BulkCopyToShared(sm90::SharedAddress(dst), cache + rows.first, token_bytes,
-                                 barrier, read_once);
-        }
-        if (rows.second >= 0) {
-          sm90::BulkCopyToShared(sm90::SharedAddress(dst + token_bytes), cache + rows.second,
-                                 token_bytes, barrier, read_once);
+        for (int k = 0; k < run_tokens; ++k) {
+          if ((rows.tokens >> k) & 1u) {
+            sm90::BulkCopyToShared(sm90::SharedAddress(dst + k * token_bytes),
+                                   cache + rows.first + k * slot_elements, token_bytes, barrier,
+                                   read_once);
+          }
         }
       }
-      if (prefetch_bytes > 0 && next.first >= 0 && (2 * pair) % prefetch_run == 0) {
+      // One prefetch per block-sized run of the next stage's tokens, where its first is copied.
+      if (prefetch_bytes > 0 && (next.tokens & 1u) && (run * run_tokens) % prefetch_run == 0) {
         sm90::PrefetchToL2(cache + next.first, prefetch_bytes);
       }
       rows = next;
@@ -370,18 +393,20 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   // Where this warp's kv head's K and V rows sit in a token's row of a stage (Layout).
   const uint32_t k_offset = (p.kv_interleaved ? 2 * warp : warp) * kHeadSize * sizeof(T);
   const uint32_t v_offset =
-      p.kv_interleaved ? (2 * warp + 1) * kHeadSize * sizeof(T)
-                       : kStageTokens / 2 * layout.run_stride + warp * kHeadSize * sizeof(T);
+      p.kv_interleaved
+          ? (2 * warp + 1) * kHeadSize * sizeof(T)
+          : kStageTokens / layout.run_tokens * layout.run_stride + warp * kHeadSize * sizeof(T);
 
   // ldmatrix row addresses of this lane, relative to the warp's first K or V element; row r of
   // an 8 x 8 matrix is token 2r (S tile 0, P V's k rows 0-7) or 2r + 1 (tile 1, k rows 8-15).
   // K (B of Q K^T, not transposed): matrix j = lane/8 is (tile j/2, columns 8*(j%2)..).
   // V (B of P V, transposed): matrix j is (k rows 8*(j%2).., columns 8*(j/2)..).
   const int j = lane / 8;
-  const int k_lane = (lane % 8) * layout.run_stride + (j / 2) * layout.token_bytes +
-                     (j % 2) * 8 * sizeof(T);
-  const int v_lane = (lane % 8) * layout.run_stride + (j % 2) * layout.token_bytes +
-                     (j / 2) * 8 * sizeof(T);
+  const auto token_at = [&](int t) {  // token t's row in a stage (Layout)
+    return t / layout.run_tokens * layout.run_stride + t % layout.run_tokens * layout.token_bytes;
+  };
+  const int k_lane = token_at(2 * (lane % 8) + j / 2) + (j % 2) * 8 * sizeof(T);
+  const int v_lane = token_at(2 * (lane % 8) + j % 2) + (j / 2) * 8 * sizeof(T);
 
   int seq = -1;             // the sequence of the piece in progress
   bool piece_from_start = false;  // it began with the sequence's first stage
@@ -536,11 +561,12 @@ struct Plan {
 // of the GPU once (each CTA keeps several stages in flight, so one wave streams at full
 // bandwidth, and a single wave has no tail). The kernel splits the tokens between them.
 template <typename T, int kHeadSize, bool kHighRows, typename Batch>
-std::optional<Plan> PlanFor(int num_kv_heads, bool kv_interleaved,
+std::optional<Plan> PlanFor(int num_kv_heads, bool kv_interleaved, int block_size,
                             const cuda::DeviceInfo& device, int kv_heads) {
   Plan plan;
   plan.kv_heads_per_cta = kv_heads;
-  plan.layout = Layout::For(kv_heads, kHeadSize, sizeof(T), kv_interleaved);
+  plan.layout = Layout::For(kv_heads, num_kv_heads, kHeadSize, sizeof(T), kv_interleaved,
+                            block_size);
   const int ctas_per_sm_wanted =
       cuda::CeilDiv(kMinConsumerWarpsPerSm, kv_heads);
   const int share = ctas_per_sm_wanted == 1
@@ -570,16 +596,16 @@ std::optional<Plan> PlanFor(int num_kv_heads, bool kv_interleaved,
 // kernel prefetch whole blocks into L2.
 template <typename T, int kHeadSize, typename Batch>
 std::optional<Plan> MakePlan(int num_kv_heads, int group_size, bool kv_interleaved,
-                             const cuda::DeviceInfo& device) {
+                             int block_size, const cuda::DeviceInfo& device) {
   if constexpr (std::is_same_v<T, float>) {
     return std::nullopt;
   } else {
     if (device.major < 9 || group_size > kMaxGroupSize) return std::nullopt;
     const auto plan_for = [&](int kv_heads) {
-      return group_size > 8 ? PlanFor<T, kHeadSize, true, Batch>(num_kv_heads, kv_interleaved,
-                                                                 device, kv_heads)
-                            : PlanFor<T, kHeadSize, false, Batch>(num_kv_heads, kv_interleaved,
-                                                                  device, kv_heads);
+      return group_size > 8 ? PlanFor<T, kHeadSize, true, Batch>(
+                                  num_kv_heads, kv_interleaved, block_size, device, kv_heads)
+                            : PlanFor<T, kHeadSize, false, Batch>(
+                                  num_kv_heads, kv_interleaved, block_size, device, kv_heads);
     };
     int kv_heads = kKvHeadsPerCta;
     while (kv_heads > 1 && num_kv_heads % kv_heads != 0) kv_heads /= 2;

@@ -21,6 +21,9 @@
 #ifndef XLA_EXT_PAGED_ATTENTION_SHARED_KB  // shared memory a CTA's stage ring may use
 #define XLA_EXT_PAGED_ATTENTION_SHARED_KB 200
 #endif
+#ifndef XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES  // bytes a token run's copy should reach (0: pairs)
+#define XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES 4096
+#endif
 // Consumer warps an SM should hold at least (decode_tensor_core.cuh says why).
 #ifndef XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM
 #define XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM 8
@@ -32,6 +35,7 @@ inline constexpr int kDecodeSimtPartition = XLA_EXT_PAGED_ATTENTION_PARTITION;
 inline constexpr int kDecodeSimtUnroll = XLA_EXT_PAGED_ATTENTION_UNROLL;
 inline constexpr int kDecodeKvHeadsPerCta = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
 inline constexpr int kDecodeSharedKb = XLA_EXT_PAGED_ATTENTION_SHARED_KB;
+inline constexpr int kDecodeMinCopyBytes = XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES;
 inline constexpr int kDecodeMinConsumerWarpsPerSm =
     XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM;
 

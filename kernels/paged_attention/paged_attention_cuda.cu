@@ -58,7 +58,7 @@ struct Kernels {
     if (!ForceSimt() && device.has_value() && s.num_seqs <= INT32_MAX) {
       plan.tensor_core = tensor_core::MakePlan<T, kHeadSize, SeqLensBatch>(
           static_cast<int>(s.num_kv_heads), static_cast<int>(s.group_size()),
-          /*kv_interleaved=*/false, *device);
+          /*kv_interleaved=*/false, static_cast<int>(s.block_size), *device);
     }
     if (!plan.tensor_core.has_value()) {
       plan.num_partitions =

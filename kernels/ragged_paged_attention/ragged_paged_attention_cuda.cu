@@ -149,7 +149,7 @@ struct Kernels {
               ? std::nullopt
               : decode::tensor_core::MakePlan<T, kHeadDim, DecodeSteps>(
                     batch.num_kv_heads, batch.group_size,
-                    /*kv_interleaved=*/true, *call.device);
+                    /*kv_interleaved=*/true, 1 << batch.log2_page_size, *call.device);
       tiled::Params tp{};
       static_cast<BatchParams&>(tp) = batch;
       tp.num_records = 2 * kernel.workers;
