@@ -29,7 +29,8 @@ KINDS = {
     "serving": "`tools/device/run.sh serving`: bench/serving_bench.py, the engine through torchax",
     "serving-flags": "`tools/device/run.sh serving_flags`: serving_bench.py with $SERVING_XLA_FLAGS",
     r"serving-(?P<model>[a-z0-9]+)-tp(?P<tp>[0-9]+)": "`tools/device/run.sh tp` (on several GPUs: "
-                                                      "GPU=h100x2): serving_bench.py per model and TP size",
+                                                      "GPU=h100x2, h100x4): serving_bench.py per "
+                                                      "model and TP size",
     "serving-torch-xla": "`tools/device/torch_xla_gpu.sh run bench`: serving_bench.py through "
                          "torch_xla, then torchax, one lease",
     "serving-compare": "`tools/device/run.sh serving`: bench/serving_compare.py",
@@ -48,7 +49,7 @@ KINDS = {
     r"engine-soak-(?P<backend>[a-z-]+)": "bench/engine_soak.py --steps 10000 on the dev machine",
     "torch-xla-gpu": "`tools/device/torch_xla_gpu.sh run proof`",
     "torch-xla-gpu-tests": "`tools/device/torch_xla_gpu.sh run proof`: the torch_xla and engine tests",
-    "tests": "`tools/device/run.sh tests` (and `bench`, which appends to it)",
+    "tests": "`tools/device/run.sh tests` (and `bench`, `tp1` and `tp2`, which append to it)",
     "decode-tests": "`tools/device/run.sh decode`: tests, sanitizers, benchmark lines",
     "ragged-tests": "`tools/device/run.sh ragged`: tests, sanitizers, benchmark lines",
     r"sanitize(?:-(?P<tools>[a-z-]+))?": "`tools/device/run.sh sanitize [TOOL...]`: compute-sanitizer",
@@ -378,7 +379,12 @@ def tp_layer(f):
     lines = [source_line(f, f"one decoder layer, {config.get('seqs')} sequences of "
                             f"{config.get('context')} tokens, {config.get('dtype')}")]
     if "tp_vs_1" in d:
-        lines[0] += f" TP={d['tp']} against TP=1: {'equal' if d['tp_vs_1'].get('ok') else 'DIFFER'}."
+        check = d["tp_vs_1"]
+        verdict = "within" if check.get("ok") else "OUTSIDE"
+        lines[0] += (f" TP={d['tp']} against TP=1: {verdict} the tolerance, "
+                     f"{check.get('tolerance')} of each tensor's largest value (layer output: "
+                     f"{check.get('layer_output_max_abs_diff')} of "
+                     f"{check.get('layer_output_max_abs')}).")
     return lines + [""] + table(["TP", "device", "step µs", "GPU span µs per step",
                                  "kernels µs per step", "% in collectives",
                                  "all-reduces in the HLO"], rows)
