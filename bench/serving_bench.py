@@ -53,7 +53,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402
 
-from gpu_trace import COLLECTIVE_KERNEL, copy_gbps  # noqa: E402
+from gpu_trace import COLLECTIVE_KERNEL, copy_gbps, kernel_kind  # noqa: E402
 from torch_xla_ext.serving import Engine, hf  # noqa: E402
 
 MIXED_DECODES, MIXED_PREFILLS, MIXED_BUDGET = 48, 16, 512
@@ -266,6 +266,7 @@ def gpu_profile(step, num_steps, timeline=None):
             "custom_call_kernels_us": {n[:120]: round(t, 1) for n, t in ours.items()},
             "top_kernels_us": {n[:120]: round(t, 1) for n, t in top},
             "idle_before_kernels_us": _idle_before(busiest, num_steps),
+            "kernel_kinds_us": _kinds_us(busiest, num_steps),
             "per_device": {str(d): _device_summary(e, num_steps)
                            for d, e in sorted(devices.items())} if len(devices) > 1 else None}
 
@@ -277,6 +278,16 @@ def _busy_us(events):
         busy += max(e.time_range.end - max(e.time_range.start, end), 0)
         end = max(end, e.time_range.end)
     return busy
+
+
+def _kinds_us(events, num_steps):
+    """One GPU's kernel time per step by kind (gpu_trace.KERNEL_KINDS), kernels that overlap
+    each counted."""
+    kinds = {}
+    for e in events:
+        kind = kernel_kind(e.name)
+        kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / num_steps
+    return {kind: round(us, 1) for kind, us in sorted(kinds.items())}
 
 
 def _idle_before(events, num_steps, top=8):

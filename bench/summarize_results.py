@@ -164,6 +164,22 @@ def source_line(result_file, extra=""):
 
 # --- one renderer per kind: a ResultFile (or the files of a group) -> Markdown lines ---------
 
+KINDS_SHOWN = ("GEMMs", "attention", "collectives", "other")
+
+
+def kinds_table(labelled_profiles):
+    """Lines of a table of each profile's kernel time per step by kind (serving_bench's
+    kernel_kinds_us, the busiest GPU), for the (label, profile) pairs that have it; none when
+    no profile has (files written before it existed)."""
+    rows = [[label] + [fmt(p["kernel_kinds_us"].get(kind, 0.0) / 1000, 2) for kind in KINDS_SHOWN]
+            for label, p in labelled_profiles if p.get("kernel_kinds_us")]
+    if not rows:
+        return []
+    return ["", "Kernel time per step on the busiest GPU by kind, ms (kernels that run at once "
+                "each counted; other: XLA's elementwise and reduction fusions):", ""] + \
+        table(["profile"] + list(KINDS_SHOWN), rows)
+
+
 def serving(f):
     d = f.data
     extra = f"{d.get('model')} model, {d.get('dtype')}, {d.get('backend', 'torchax')}, " \
@@ -177,6 +193,7 @@ def serving(f):
                    [[r["shape"], r.get("scheduling", NOTHING), fmt(r["time_per_step_ms"], 2),
                      fmt(r["tokens_per_s"], 0), fmt(r.get("gpu_ms_per_step"), 2),
                      fmt(r.get("floor_ms"), 2), fmt(r.get("wall_over_floor"), 2)] for r in ours])
+    lines += kinds_table(sorted(d.get("profiles", {}).items()))
     theirs = [r for r in d["rows"] if not r["impl"].startswith("xla_ext_")]
     if theirs:
         lines += ["", "The same model in transformers, same run (ours: our fastest row of that "
@@ -217,9 +234,12 @@ def serving_tensor_parallel(files):
     lines = [f"{', '.join(f'`{f.name}`' for f in files)} ({gpu_label(first.gpu)}; "
              f"{first.data.get('dtype')}, context {first.data.get('context')}): "
              f"{first.description()}.", ""]
-    return lines + table(["model", "TP", "step", "scheduling", "ms per step", "tokens/s",
-                          "GPU busy ms (each GPU)", "in all-reduce ms (each GPU)", "floor ms",
-                          "ms / TP=1's"], out)
+    lines += table(["model", "TP", "step", "scheduling", "ms per step", "tokens/s",
+                    "GPU busy ms (each GPU)", "in all-reduce ms (each GPU)", "floor ms",
+                    "ms / TP=1's"], out)
+    return lines + kinds_table(
+        (f"{f.fields['model']} TP={f.fields['tp']} {label}", profile)
+        for f in files for label, profile in sorted(f.data.get("profiles", {}).items()))
 
 
 def serving_torch_xla(f):

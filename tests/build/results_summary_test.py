@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import summarize_results
+from bench import gpu_trace, summarize_results
 
 RESULTS = summarize_results.RESULTS
 
@@ -47,6 +47,38 @@ def test_tensor_parallel_rows_are_set_against_tp1_of_the_same_model_and_step(tmp
     assert "| 8b | 1 | B=1,context=2048 | async | 8.00 | 125 | 8.00 | – | 1.00 | – |" in text
     assert "| 8b | 2 | B=1,context=2048 | async | 5.00 | 200 | 4.50 / 4.40 | 0.10 / 0.10 | 1.00 " \
            "| 0.62 |" in text
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives"),
+    ("all_reduce_1_0_fusion_1", "collectives"),
+    ("void xla_ext::attention::decode::tensor_core::AttendTensorCoreKernel<__nv_bfloat16, 64>",
+     "attention"),
+    ("void xla_ext::kv_cache_update::(anonymous namespace)::WriteSlotsKernel<uint4>", "attention"),
+    ("gemm_fusion_dot_general_262", "GEMMs"),
+    ("nvjet_sm90_tss_224x64_64x5_2x1_v_bz_TNN", "GEMMs"),
+    ("Memcpy HtoD (Pinned -> Device)", "copies"),
+    ("loop_add_fusion_16", "other"),
+    ("input_concatenate_fusion_31", "other"),
+])
+def test_kernels_are_told_apart_by_name(name, kind):
+    assert gpu_trace.kernel_kind(name) == kind
+
+
+def test_kernel_time_by_kind_appears_for_profiles_that_have_it(tmp_path):
+    kinds = {"GEMMs": 820.0, "attention": 402.5, "other": 208.0, "copies": 3.0}
+    one_gpu = _serving_file(1, 1.55, [1560.0])
+    one_gpu["profiles"]["decode B=1,context=2048 async"]["kernel_kinds_us"] = kinds
+    one_gpu["copy_gbps"] = 3000.0
+    (tmp_path / "h100-serving.json").write_text(json.dumps(one_gpu))
+    split = _serving_file(2, 5.0, [4500.0, 4400.0])
+    split["profiles"]["decode B=1,context=2048 async"]["kernel_kinds_us"] = dict(
+        kinds, collectives=470.0)
+    (tmp_path / "h100x2-serving-8b-tp2.json").write_text(json.dumps(split))
+    text = summarize_results.summarize(tmp_path)
+    assert "| profile | GEMMs | attention | collectives | other |" in text
+    assert "| decode B=1,context=2048 async | 0.82 | 0.40 | 0.00 | 0.21 |" in text
+    assert "| 8b TP=2 decode B=1,context=2048 async | 0.82 | 0.40 | 0.47 | 0.21 |" in text
 
 
 def test_a_file_of_an_unknown_kind_is_listed_unread(tmp_path):
