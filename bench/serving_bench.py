@@ -251,8 +251,9 @@ def gpu_profile(step, num_steps, timeline=None):
     devices = {}
     for e in events:
         devices.setdefault(e.device_index, []).append(e)
-    gpu_us = max(_busy_us(e) for e in devices.values()) / num_steps
-    busiest = max(devices.values(), key=_busy_us)
+    busy_us = {d: _busy_us(e) for d, e in devices.items()}
+    busiest = devices[max(busy_us, key=busy_us.get)]
+    gpu_us = max(busy_us.values()) / num_steps
     if timeline is not None:
         timeline(busiest)
     ours = {n: t for n, t in kernels.items() if "xla_ext" in n}
@@ -290,14 +291,22 @@ def _kinds_us(events, num_steps):
     return {kind: round(us, 1) for kind, us in sorted(kinds.items())}
 
 
+def _with_idle_before(events):
+    """(event, the idle time just before it: none of the earlier events running; 0 for the
+    first) for `events` in the order they start."""
+    end = None
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        yield e, 0.0 if end is None else max(e.time_range.start - end, 0.0)
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+
+
 def _idle_before(events, num_steps, top=8):
     """Where one GPU waits: per step, the idle time (no kernel running) that ends at a kernel
     of each name, for the `top` names with the most: what the GPU waited to start."""
-    idle, end = {}, None
-    for e in sorted(events, key=lambda e: e.time_range.start):
-        if end is not None and e.time_range.start > end:
-            idle[e.name] = idle.get(e.name, 0.0) + (e.time_range.start - end) / num_steps
-        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    idle = {}
+    for e, before in _with_idle_before(events):
+        if before > 0:
+            idle[e.name] = idle.get(e.name, 0.0) + before / num_steps
     return {n[:120]: round(t, 1) for n, t in sorted(idle.items(), key=lambda kv: -kv[1])[:top]}
 
 
@@ -308,15 +317,12 @@ def write_timeline(path, label, events, lines=400):
     events = sorted(events, key=lambda e: e.time_range.start)
     middle = events[len(events) // 3:][:lines]
     origin = middle[0].time_range.start
-    end = origin
     with open(path, "a") as f:
         f.write(f"== {label}: {len(middle)} kernels of {len(events)} in the trace\n")
         f.write(f"{'start us':>10} {'end us':>10} {'idle before':>11}  kernel\n")
-        for e in middle:
-            idle = max(e.time_range.start - end, 0.0)
+        for e, idle in _with_idle_before(middle):
             f.write(f"{e.time_range.start - origin:10.1f} {e.time_range.end - origin:10.1f} "
                     f"{idle:11.1f}  {e.name[:100]}\n")
-            end = max(end, e.time_range.end)
 
 
 def _device_summary(events, num_steps):

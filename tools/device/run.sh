@@ -187,7 +187,7 @@ if [[ $PHASE == tp ]]; then
   # the rest. On two H100s it took the 8B model's TP=2 step from 5.06 to 4.82 ms at B=1 and from
   # 8.81 to 8.39 ms at B=64, and the 1B model's from 1.55 to 1.49 ms.
   export XLA_FLAGS="${TP_XLA_FLAGS-"--xla_gpu_experimental_use_collective_kernels= --xla_gpu_enable_command_buffer=+COLLECTIVES"}"
-  [[ ${SKIP_BUILD:-0} == 1 ]] || rm -f "$OUT/$GPU-serving-tp-timeline.txt"
+  rm -f "$OUT/$GPU-serving-tp-timeline.txt"
   for tp in ${TP_SIZES:-1 2}; do
     for model in ${TP_MODELS:-8b 1b}; do
       batches=$([[ $model == 8b ]] && echo 1,64 || echo 1)
