@@ -1,10 +1,11 @@
 """The workload the serving tests share: prompts of different lengths arriving at different
 steps, and an engine small enough that not all of them fit in the cache at once; and a counter
-of the runs of decode steps an engine launches."""
+of the runs of decode steps an engine launches; the unsplit engine's tokens for the tensor
+parallel tests."""
 
 import torch
 
-from torch_xla_ext.serving import hf
+from torch_xla_ext.serving import Engine, hf
 
 # Lengths chosen to cross page (16) and budget (32) boundaries; arrivals spread over 6 steps.
 PROMPT_LENS = [5, 17, 40, 9, 23, 3]
@@ -33,3 +34,11 @@ def count_runs(engine):
 def prompts(vocab_size, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def workload_tokens(model, backend):
+    """(the workload's prompts, their tokens through an unsplit engine of `backend`): what the
+    tensor parallel tests compare the split engine with."""
+    requests = prompts(model.config.vocab_size)
+    return requests, Engine(model, backend=backend, **ENGINE_ARGS).generate(
+        requests, MAX_NEW_TOKENS, ARRIVALS)

@@ -10,7 +10,8 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.serving.common import ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, TP_CONFIG, prompts
+from tests.serving.common import (
+    ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, TP_CONFIG, prompts, workload_tokens)
 from torch_xla_ext import TorchXlaExtError
 from torch_xla_ext.serving import Engine, hf
 
@@ -22,9 +23,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def one_device(model):
-    requests = prompts(model.config.vocab_size)
-    return requests, Engine(model, backend="torchax", **ENGINE_ARGS).generate(
-        requests, MAX_NEW_TOKENS, ARRIVALS)
+    return workload_tokens(model, "torchax")
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [2, 4])

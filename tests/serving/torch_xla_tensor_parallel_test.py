@@ -23,7 +23,7 @@ import torch_xla.runtime as xr  # noqa: E402
 xr.use_spmd()
 
 from tests.serving.common import (  # noqa: E402
-    ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, TP_CONFIG, count_runs, prompts)
+    ARRIVALS, ENGINE_ARGS, MAX_NEW_TOKENS, TP_CONFIG, count_runs, prompts, workload_tokens)
 from torch_xla_ext import TorchXlaExtError  # noqa: E402
 from torch_xla_ext.serving import Engine, hf  # noqa: E402
 
@@ -59,9 +59,7 @@ def model():
 @pytest.fixture(scope="module")
 def unsplit(model):
     """The workload's tokens through the unsplit model (every device computes all of it)."""
-    requests = prompts(model.config.vocab_size)
-    return requests, Engine(model, backend="torch_xla", **ENGINE_ARGS).generate(
-        requests, MAX_NEW_TOKENS, ARRIVALS)
+    return workload_tokens(model, "torch_xla")
 
 
 def _split_spec(tensor_parallel_size, rank, dim):
