@@ -3,7 +3,7 @@ torch (CUDA tensors), for a profiler:
 
     ncu --kernel-name "regex:AttendKernel|CombineKernel" --launch-skip 4 --launch-count 2 \\
         python3 bench/profile_ragged_attention.py --mix "decode 64 x 2048"
-    python3 bench/profile_ragged_attention.py --decode 1,2048 --heads 32,8,64 --max-num-seqs 64 \
+    python3 bench/profile_ragged_attention.py --decode 1,2048 --heads 32,8,64 --max-num-seqs 64 \\
         --padding-rows 15 --trace       # the 1B model's attention call in a B=1 serving step
 
 Four calls; each launches the attention kernel and its combine kernel
