@@ -55,14 +55,14 @@ compile() {  # source -> object, by extension
 }
 
 KERNEL_SRCS=(kernels/*/*.cu kernels/*/*_host.cc)
-# torch_xla_ext/csrc: one library per source, as in torch_xla_ext/lib/BUILD.bazel.
+# torch_xla_ext/csrc: the libraries of torch_xla_ext/lib/BUILD.bazel, by their sources.
 declare -A CSRC_LIBRARY=(
-  [torch_xla_ext/csrc/binder.cc]=libxla_ext_binder.so
-  [torch_xla_ext/csrc/pjrt_shim.cc]=libxla_ext_pjrt_shim.so
+  [libxla_ext_binder.so]="torch_xla_ext/csrc/binder.cc torch_xla_ext/csrc/custom_call_status.cc"
+  [libxla_ext_pjrt_shim.so]="torch_xla_ext/csrc/pjrt_shim.cc"
 )
 declare -A CSRC_EXPORTS=(
-  [torch_xla_ext/csrc/binder.cc]=torch_xla_ext/lib/exports.lds
-  [torch_xla_ext/csrc/pjrt_shim.cc]=torch_xla_ext/lib/pjrt_shim_exports.lds
+  [libxla_ext_binder.so]=torch_xla_ext/lib/exports.lds
+  [libxla_ext_pjrt_shim.so]=torch_xla_ext/lib/pjrt_shim_exports.lds
 )
 TORCH_SRCS=(torch_xla_ext/csrc/torch_ops.cc torch_xla_ext/csrc/eager_runtime.cc)
 read -r TORCH_DIR PYTHON_INCLUDE <<<"$(python3 -c "
@@ -70,7 +70,8 @@ import os, sysconfig, torch
 print(os.path.dirname(torch.__file__), sysconfig.get_paths()['include'])")"
 TORCH_INCLUDES=(-isystem "$TORCH_DIR/include" -isystem "$TORCH_DIR/include/torch/csrc/api/include"
                 -isystem "$PYTHON_INCLUDE")
-SRCS=("${KERNEL_SRCS[@]}" "${!CSRC_LIBRARY[@]}" "${TORCH_SRCS[@]}")
+read -r -a CSRC_SRCS <<<"${CSRC_LIBRARY[*]}"
+SRCS=("${KERNEL_SRCS[@]}" "${CSRC_SRCS[@]}" "${TORCH_SRCS[@]}")
 [[ $WHAT == torch ]] && SRCS=("${TORCH_SRCS[@]}")
 pids=()
 for src in "${SRCS[@]}"; do
@@ -86,9 +87,10 @@ if [[ $WHAT == all ]]; then
   # --whole-archive is not needed: every object is linked, so every static registration runs.
   g++ "${LINK[@]}" -o "$LIB_OUT/libxla_ext_kernels.so" $(objects "${KERNEL_SRCS[@]}") \
     "$CUDA_HOME/lib64/libcudart_static.a" -ldl -lpthread -lrt
-  for src in "${!CSRC_LIBRARY[@]}"; do
-    g++ -shared "-Wl,--version-script=${CSRC_EXPORTS[$src]}" \
-      -o "$LIB_OUT/${CSRC_LIBRARY[$src]}" $(objects "$src") -ldl
+  for lib in "${!CSRC_LIBRARY[@]}"; do
+    read -r -a lib_srcs <<<"${CSRC_LIBRARY[$lib]}"
+    g++ -shared "-Wl,--version-script=${CSRC_EXPORTS[$lib]}" \
+      -o "$LIB_OUT/$lib" $(objects "${lib_srcs[@]}") -ldl
   done
 fi
 g++ "${LINK[@]}" -o "$LIB_OUT/libxla_ext_torch.so" $(objects "${TORCH_SRCS[@]}") \
