@@ -2,7 +2,10 @@
 
 Importing the package is the whole setup: the built-in kernels (and any later
 `load_kernels(path)`) are registered into torch_xla's XLA, and into JAX's when JAX is used,
-and `torch_xla._XLAC._xla_gpu_custom_call(..., target=...)` is available again.
+`torch_xla._XLAC._xla_gpu_custom_call(..., target=...)` is available again, and
+`torch_xla._XLAC._xla_register_custom_call_target` registers a user's own function (legacy ABI
+or typed FFI). Once the wheel is installed, `import torch_xla` imports it (through torch_xla's
+plugin entry points).
 """
 
 import importlib.util
@@ -39,11 +42,11 @@ def _bind_on_import():
     # where it is, a failure to bind is an error.
     if importlib.util.find_spec("torch_xla") is not None:
         from torch_xla_ext.binders.torch_xla_runtime import TorchXlaRuntime
-        from torch_xla_ext.custom_call import install_gpu_custom_call
+        from torch_xla_ext.custom_call import install_torch_xla_entry_points
         from torch_xla_ext.step import install_failure_hooks
 
         binders.add_runtime(TorchXlaRuntime())
-        install_gpu_custom_call()
+        install_torch_xla_entry_points()
         install_failure_hooks()  # a failed graph's error is raised once (see step.py)
 
 

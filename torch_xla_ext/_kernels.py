@@ -237,13 +237,29 @@ def builtin_library():
 @functools.lru_cache(maxsize=None)
 def binder_dll():
     """The C helpers (torch_xla_ext/csrc/binder.cc) that read kernel tables and runtimes'
-    versions, and register a table into a runtime."""
-    dll = ctypes.CDLL(os.path.join(LIB_DIR, "libxla_ext_binder.so"))
+    versions, and register a table or one target into a runtime. Loaded with RTLD_GLOBAL: it
+    also defines XLA's legacy custom-call status functions for users' kernels
+    (csrc/custom_call_status.cc)."""
+    dll = ctypes.CDLL(os.path.join(LIB_DIR, "libxla_ext_binder.so"), mode=os.RTLD_GLOBAL)
     for name in ("xla_ext_bind_ffi_api", "xla_ext_bind_pjrt_plugin"):
         fn = getattr(dll, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
                        ctypes.c_size_t]
+    for name in ("xla_ext_register_ffi_handler", "xla_ext_pjrt_register_ffi_handler"):
+        fn = getattr(dll, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
+                       ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t]
+    dll.xla_ext_pjrt_register_legacy_target.restype = ctypes.c_int
+    dll.xla_ext_pjrt_register_legacy_target.argtypes = [
+        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    dll.xla_ext_registry_lookup.restype = ctypes.c_void_p
+    dll.xla_ext_registry_lookup.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
+                                            ctypes.c_char_p]
+    dll.xla_ext_registry_register.restype = ctypes.c_int
+    dll.xla_ext_registry_register.argtypes = [ctypes.c_void_p] * 3 + [
+        ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     dll.xla_ext_table_header.restype = ctypes.c_int
     dll.xla_ext_table_header.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 4 + [
         ctypes.c_char_p, ctypes.c_size_t]

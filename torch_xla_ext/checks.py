@@ -312,3 +312,18 @@ def ragged_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_s
         s, p = map(int, bad[0])
         _fail(op, "page_indices", f"page ids in [0, total_num_pages = {num_pages})",
               f"page_indices[{s}][{p}] = {pages[s, p]}")
+
+
+def check_known_values(op, args):
+    """Checks the data arguments (block ids, lengths, slots) of an op's call on XLA tensors on
+    the host when their values already sit in device buffers: a bad request then fails here,
+    before anything is built or run. Arguments still to be computed are checked by the
+    handlers when the step runs."""
+    if op.check_values is None:
+        return
+    import torch_xla
+
+    tensors = [args[name] for name in op.value_args]
+    if any(torch_xla._XLAC._check_tensor_need_materialization(tensors)):
+        return
+    op.check_values(args, {name: t.cpu().numpy() for name, t in zip(op.value_args, tensors)})

@@ -1,4 +1,4 @@
-"""Typed-FFI custom calls on torch_xla lazy tensors.
+"""Custom calls on torch_xla lazy tensors: typed FFI and the legacy ABIs.
 
 torch_xla's own `_xla_custom_call` builds an IR node whose hash covers only the target name,
 so calls that differ in attributes, output shapes, dtypes or api_version silently reuse the
@@ -6,6 +6,13 @@ first compiled executable, and it never emits output/operand aliasing. Here each
 one-instruction HLO module run through `_xla_user_computation`, whose node hash covers the
 whole module (target, attributes, shapes, dtypes, aliasing, api_version): the stale
 executable cannot happen, and in-place kernels alias their outputs to their inputs.
+
+`import torch_xla_ext` puts three entry points on `torch_xla._XLAC` (install_torch_xla_entry_
+points): `_xla_gpu_custom_call` (torch_xla 2.8's, gone in 2.9, now with a target),
+`_xla_register_custom_call_target` (2.9's raises "RegisterCustomCall not implemented"; ours
+registers into the XLA that runs the graphs, binders/custom_call_targets.py) and
+`_xla_custom_call` (same arguments as 2.9's; each call its own executable, and a target with no
+function is refused at the call instead of failing the graph's compilation).
 """
 
 import collections
@@ -16,7 +23,8 @@ import threading
 import numpy as np
 import torch
 
-from torch_xla_ext import dtypes
+from torch_xla_ext import checks, dtypes
+from torch_xla_ext.binders import custom_call_targets
 from torch_xla_ext.dtypes import DTYPES
 from torch_xla_ext.errors import JAX_INSTALL, TorchXlaExtError, import_dependency
 
@@ -35,7 +43,13 @@ _MLIR_NUMPY_TYPES = {np.dtype(n): d.mlir for n, d in DTYPES.items()
 
 
 def _mlir_string(text):
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    """An MLIR string literal of `text` (str, or bytes for a legacy call's binary opaque):
+    printable ASCII as itself, quotes, backslashes and newlines escaped, every other byte as
+    MLIR's hex escape."""
+    data = text.encode() if isinstance(text, str) else bytes(text)
+    special = {ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n"}
+    escaped = "".join(special.get(b) or (chr(b) if 0x20 <= b < 0x7F else f"\\{b:02X}")
+                      for b in data)
     return f'"{escaped}"'
 
 
@@ -221,6 +235,7 @@ def custom_call(inputs, target, output_shapes, output_dtypes, attrs=None, has_si
     spec = _spec(inputs, target, output_shapes, output_dtypes, attrs, has_side_effect, aliases,
                  api_version, backend_config, frontend_attributes)
     _check_against_description(spec, inputs, output_shapes, output_dtypes)
+    custom_call_targets.prepare_call(spec.target, spec.api_version)
     return _record(spec, inputs)
 
 
@@ -247,6 +262,12 @@ def _spec(inputs, target, output_shapes, output_dtypes, attrs, has_side_effect, 
     if attrs and api_version != API_VERSION_TYPED_FFI:
         raise TorchXlaExtError(f"attrs: typed attributes need api_version=4 (typed FFI), got "
                                f"api_version={api_version}")
+    if backend_config is not None and not isinstance(backend_config, (str, bytes)):
+        raise TorchXlaExtError(f"backend_config: expected a str (or bytes, a legacy call's "
+                               f"opaque), got {type(backend_config).__name__}")
+    if isinstance(backend_config, bytes) and api_version == API_VERSION_TYPED_FFI:
+        raise TorchXlaExtError("backend_config: a typed FFI call (api_version=4) takes an MLIR "
+                               "attribute dictionary as a str, got bytes")
     config = mlir_dictionary(attrs) if attrs else (backend_config or "")
     outputs = tuple(_tensor_type(s, d, f"output_shapes[{i}]/output_dtypes[{i}]")
                     for i, (s, d) in enumerate(zip(output_shapes, output_dtypes)))
@@ -273,12 +294,12 @@ def _check_against_description(spec, inputs, output_shapes, output_dtypes):
     if op is None:
         _run_library_check(spec, inputs, output_shapes, output_dtypes)
         return
-    from torch_xla_ext import ops, workspace
+    from torch_xla_ext import workspace
 
     outputs = [(shape, dtypes.name(dtype)) for shape, dtype in zip(output_shapes, output_dtypes)]
     args = op.check_call(inputs, _dictionary_entries(spec.backend_config), outputs,
                          workspace.xla_device_gpu())
-    ops.check_known_values(op, args)
+    checks.check_known_values(op, args)
 
 
 def _run_library_check(spec, inputs, output_shapes, output_dtypes):
@@ -373,22 +394,41 @@ def gpu_custom_call(inputs, payload, output_shapes, output_dtypes, target=LEGACY
     """torch_xla 2.8's `_xla_gpu_custom_call`, restored, with the target it lacked.
 
     The default target and ABI stay 2.8's ("triton_kernel_call", status-returning, payload as
-    opaque). A target registered by torch_xla_ext defaults to the typed FFI, with `payload`
-    as its MLIR attribute dictionary ("" for none).
+    opaque). A typed FFI target (torch_xla_ext's, a loaded library's, or a user's registered
+    as one) defaults to the typed FFI, with `payload` as its MLIR attribute dictionary ("" for
+    none).
     """
-    from torch_xla_ext import binders
-
     if api_version is None:
-        api_version = (API_VERSION_TYPED_FFI if target in binders.registered_targets("torch_xla")
-                       else API_VERSION_STATUS_RETURNING)
-    if not isinstance(payload, str):
+        api_version = custom_call_targets.default_api_version(target)
+    if not isinstance(payload, (str, bytes)):
         raise TorchXlaExtError(f"payload: expected a str, got {type(payload).__name__}")
     return custom_call(inputs, target, output_shapes, output_dtypes, backend_config=payload,
                        api_version=api_version)
 
 
-def install_gpu_custom_call():
-    """Puts `gpu_custom_call` back where torch_xla 2.8 users call it."""
+def torch_xla_custom_call(inputs, target, output_shapes, output_dtypes, has_side_effect=False,
+                          backend_config="", api_version=API_VERSION_TYPED_FFI,
+                          frontend_attributes=None):
+    """torch_xla's `_xla_custom_call`, same arguments (positional as torch_xla's), through
+    `custom_call`: each call its own executable, checked at the call."""
+    return custom_call(inputs, target, output_shapes, output_dtypes,
+                       has_side_effect=has_side_effect, backend_config=backend_config,
+                       api_version=api_version, frontend_attributes=frontend_attributes)
+
+
+def register_custom_call_target(name, function, platform, api_version=None):
+    """torch_xla's `_xla_register_custom_call_target(name, capsule, platform)`, working:
+    registers a legacy custom-call function or a typed FFI handler into the XLA that runs the
+    graphs (binders/custom_call_targets.py). `api_version` (ours) says which it is; without
+    it, the first call of the target does."""
+    custom_call_targets.register(name, function, platform, api_version)
+
+
+def install_torch_xla_entry_points():
+    """Puts `gpu_custom_call`, `torch_xla_custom_call` and `register_custom_call_target` where
+    torch_xla users call them."""
     from torch_xla import _XLAC
 
     _XLAC._xla_gpu_custom_call = gpu_custom_call
+    _XLAC._xla_custom_call = torch_xla_custom_call
+    _XLAC._xla_register_custom_call_target = register_custom_call_target

@@ -9,7 +9,7 @@ custom call writing each new value into the old one's buffer (input/output alias
 
 import torch
 
-from torch_xla_ext import eager, workspace
+from torch_xla_ext import checks, eager, workspace
 from torch_xla_ext.custom_call import op_custom_call
 from torch_xla_ext.op_catalog import OPS
 
@@ -22,22 +22,8 @@ def _results_like(op, args):
             for shape, dtype in op.results(args)]
 
 
-def check_known_values(op, args):
-    """Checks the data arguments (block ids, lengths, slots) on the host when their values
-    already sit in device buffers: a bad request then fails here, before anything is built or
-    run. Arguments still to be computed are checked by the handlers when the step runs."""
-    if op.check_values is None:
-        return
-    import torch_xla
-
-    tensors = [args[name] for name in op.value_args]
-    if any(torch_xla._XLAC._check_tensor_need_materialization(tensors)):
-        return
-    op.check_values(args, {name: t.cpu().numpy() for name, t in zip(op.value_args, tensors)})
-
-
 def _on_xla(op, args):
-    check_known_values(op, args)
+    checks.check_known_values(op, args)
     attributes = op.attribute_values(args)
     results = op.handler_results(args, attributes, workspace.xla_device_gpu())
     outputs = op_custom_call(op.operand_values(args, eager.empty), op.target,

@@ -27,9 +27,9 @@ import torch
 
 import torch_xla_ext  # noqa: F401  (defines torch.ops.xla_ext)
 from torch_xla_ext import partitioning
+from torch_xla_ext.checks import check_known_values
 from torch_xla_ext.errors import TorchXlaExtError
 from torch_xla_ext.op_catalog import OPS
-from torch_xla_ext.ops import check_known_values
 
 _OPS = {op.name: op for op in OPS if op.layout is not None}
 _lib = torch.library.Library("xla_ext_spmd", "DEF")

@@ -1,5 +1,6 @@
 """Binds kernel tables into a PJRT plugin's XLA through the plugin's FFI extension
-(`register_handler`), without jax.ffi: the route a torch_xla GPU plugin needs.
+(`register_handler`), without jax.ffi: the route a torch_xla GPU plugin needs. Users' legacy
+custom-call functions go through the plugin's GPU custom-call extension.
 
 The plugin must be the instance the framework loaded: dlopen of the same path returns the
 loaded library, so its GetPjrtApi() returns the framework's API.
@@ -9,6 +10,7 @@ import ctypes
 import os
 
 from torch_xla_ext import _kernels
+from torch_xla_ext.binders import TYPED_FFI
 from torch_xla_ext.errors import TorchXlaExtError
 
 
@@ -41,6 +43,24 @@ class PjrtPluginRuntime:
         _kernels.call_binder(self._binder.xla_ext_bind_pjrt_plugin, self.api, library,
                              self.platform)
         return [(k.target, k.platform) for k in library.kernels if k.platform == self.platform]
+
+    def register_target(self, target):
+        """A user's target (custom_call_targets.Target): a typed FFI handler through the FFI
+        extension, a legacy function through the GPU custom-call extension."""
+        err = ctypes.create_string_buffer(1024)
+        if target.kind == TYPED_FFI:
+            status = self._binder.xla_ext_pjrt_register_ffi_handler(
+                self.api, target.name.encode(), self.platform.encode(), target.address, 0, err,
+                len(err))
+        else:
+            status = self._binder.xla_ext_pjrt_register_legacy_target(
+                self.api, target.name.encode(), target.address, err, len(err))
+        if status != 0:
+            raise TorchXlaExtError(f"registering {target.name} for {self.platform} in {self.path}: "
+                                   f"{err.value.decode()}")
+
+    def has_legacy_target(self, name):
+        return False  # the plugin's registry cannot be read; users' targets are known above
 
     def describe(self):
         kind = f"PJRT plugin {self.path}"

@@ -1,8 +1,11 @@
-"""Binds kernel tables into the XLA statically linked inside torch_xla's `_XLAC`.
+"""Binds kernel tables, and users' single targets, into the XLA statically linked inside
+torch_xla's `_XLAC`.
 
 No runtime exports its XLA_FFI_Api*, but `_XLAC` keeps its full symbol table: the local
 function `xla::ffi::GetXlaFfiApi()` is found there, rebased on the exported `PyInit__XLAC`,
-and called to get the API through which handlers are registered.
+and called to get the API through which handlers are registered. Legacy custom-call functions
+go into XLA's CustomCallTargetRegistry, whose Global(), Lookup() and Register() are found the
+same way and called from the binder (csrc/binder.cc).
 """
 
 import ctypes
@@ -13,10 +16,19 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 
 from torch_xla_ext import _kernels
+from torch_xla_ext.binders import TYPED_FFI
 from torch_xla_ext.errors import TorchXlaExtError
 
 GET_API_SYMBOL = "_ZN3xla3ffi12GetXlaFfiApiEv"  # xla::ffi::GetXlaFfiApi()
 ANCHOR_SYMBOL = "PyInit__XLAC"
+_STRING = "NSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"
+# xla::CustomCallTargetRegistry::Global(), ::Lookup(const string&, const string&) const and
+# ::Register(const string&, void*, const string&).
+REGISTRY_SYMBOLS = {
+    "global": "_ZN3xla24CustomCallTargetRegistry6GlobalEv",
+    "lookup": f"_ZNK3xla24CustomCallTargetRegistry6LookupERK{_STRING}S8_",
+    "register": f"_ZN3xla24CustomCallTargetRegistry8RegisterERK{_STRING}PvS8_",
+}
 # torch_xla 2.9's XLA: FFI API 0.1, whose XLA_FFI_Api struct is 192 bytes.
 SUPPORTED = "torch_xla 2.9.0 from PyPI (XLA FFI API 0.1)"
 
@@ -77,9 +89,10 @@ class TorchXlaRuntime:
 
         self.torch_xla_version = getattr(torch_xla, "__version__", "unknown")
         self.path = _XLAC.__file__
-        values = _symbol_values(self.path, [GET_API_SYMBOL, ANCHOR_SYMBOL])
-        if values[GET_API_SYMBOL] is None or values[ANCHOR_SYMBOL] is None:
-            missing = GET_API_SYMBOL if values[GET_API_SYMBOL] is None else ANCHOR_SYMBOL
+        values = _symbol_values(self.path, [GET_API_SYMBOL, ANCHOR_SYMBOL,
+                                            *REGISTRY_SYMBOLS.values()])
+        missing = next((name for name, value in values.items() if value is None), None)
+        if missing is not None:
             raise TorchXlaExtError(
                 f"torch_xla {self.torch_xla_version}: {missing} is not in the symbol table of "
                 f"{self.path}, so its XLA cannot be given our handlers. Supported: {SUPPORTED}. "
@@ -89,6 +102,7 @@ class TorchXlaRuntime:
         loaded = ctypes.CDLL(self.path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         base = ctypes.cast(loaded.PyInit__XLAC, ctypes.c_void_p).value - values[ANCHOR_SYMBOL]
         get_api = ctypes.CFUNCTYPE(ctypes.c_void_p)(base + values[GET_API_SYMBOL])
+        self._registry = {role: base + values[symbol] for role, symbol in REGISTRY_SYMBOLS.items()}
         self.api = get_api()
         if not self.api:
             raise TorchXlaExtError(f"torch_xla {self.torch_xla_version}: GetXlaFfiApi() returned null")
@@ -105,6 +119,27 @@ class TorchXlaRuntime:
     def bind(self, library):
         _kernels.call_binder(self._binder.xla_ext_bind_ffi_api, self.api, library, self.platform)
         return [(k.target, k.platform) for k in library.kernels if k.platform == self.platform]
+
+    def register_target(self, target):
+        """A user's target (custom_call_targets.Target): a typed FFI handler through the
+        XLA_FFI_Api, a legacy function into the CustomCallTargetRegistry."""
+        err = ctypes.create_string_buffer(1024)
+        if target.kind == TYPED_FFI:
+            status = self._binder.xla_ext_register_ffi_handler(
+                self.api, target.name.encode(), self.platform.encode(), target.address, 0, err,
+                len(err))
+        else:
+            status = self._binder.xla_ext_registry_register(
+                self._registry["global"], self._registry["lookup"], self._registry["register"],
+                target.name.encode(), target.address, self.platform.encode(), err, len(err))
+        if status != 0:
+            raise TorchXlaExtError(f"registering {target.name} for {self.platform} in torch_xla's "
+                                   f"XLA: {err.value.decode()}")
+
+    def has_legacy_target(self, name):
+        return bool(self._binder.xla_ext_registry_lookup(
+            self._registry["global"], self._registry["lookup"], name.encode(),
+            self.platform.encode()))
 
     def describe(self):
         return {

@@ -7,7 +7,7 @@ bucket.
 
 The values are checked here, once per step, with the ops' own value checks (checks.py). The
 ops would otherwise check them again at every call when the tensors hold data already (under
-torch_xla, ops._check_known_values reads them back to the host: two reads per layer); sliced
+torch_xla, checks.check_known_values reads them back to the host: two reads per layer); sliced
 from the step's buffer inside the graph, they are values the step computes, which the ops leave
 to this check (and to the handlers).
 """
