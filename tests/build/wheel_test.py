@@ -1,5 +1,7 @@
 """The built wheel: its tags, METADATA and RECORD, and an install into a fresh virtual
-environment where `import torch_xla_ext` alone makes the user's example return [5, 7, 9]."""
+environment where `import torch_xla_ext` alone makes the user's example return [5, 7, 9], and
+where the guides' legacy flow runs with no added line at all (torch_xla's plugin entry points
+import the package)."""
 
 import base64
 import csv
@@ -91,3 +93,20 @@ def test_the_installed_demo_runs_however_it_is_started(installed, tmp_path, how)
     result = _run(args, cwd=cwd)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "All results match PyTorch." in result.stdout
+
+
+@pytest.mark.parametrize("api_version", [1, 2, 3])
+def test_the_guides_legacy_flow_runs_with_no_added_line(installed, tmp_path, api_version):
+    """The user's script as the guides write it (tests/user_kernel/legacy/guides_flow.py, no
+    `import torch_xla_ext`): `import torch_xla` loads the installed wheel's `torch_xla.plugins`
+    entry point, which imports the package (XLA_REGISTER_INSTALLED_PLUGINS unset, torch_xla's
+    default)."""
+    python, _ = installed
+    library = tmp_path / f"libsimple_add_v{api_version}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-DAPI_VERSION={api_version}",
+                    os.path.abspath("tests/user_kernel/legacy/simple_add_host.c"), "-o",
+                    str(library)], check=True)
+    result = _run([python, os.path.abspath("tests/user_kernel/legacy/guides_flow.py"),
+                   str(library), str(api_version), "Host"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[5.0, 7.0, 9.0]"

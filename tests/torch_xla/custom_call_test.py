@@ -1,5 +1,6 @@
 """torch_xla runs our custom calls after `import torch_xla_ext` and nothing else."""
 
+import ctypes
 import glob
 import os
 import re
@@ -24,10 +25,21 @@ def test_users_example_returns_5_7_9(xla_device):
     assert out.cpu().tolist() == [5.0, 7.0, 9.0]
 
 
+# A legacy CPU function (out, ins, status) that is registered but never run: the HLO is read.
+_UNUSED_LEGACY_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p)(lambda out, ins, status: None)
+
+
 def test_gpu_custom_call_keeps_the_2_8_default_target(xla_device):
     import torch_xla
 
     a = torch.ones(2, device=xla_device)
+    # torch_xla 2.8's default target, with no function registered: refused at the call.
+    with pytest.raises(RuntimeError, match="custom call triton_kernel_call: no legacy "
+                                           "custom-call function"):
+        torch_xla._XLAC._xla_gpu_custom_call([a], "opaque", [[2]], [torch.float32])
+    torch_xla._XLAC._xla_register_custom_call_target("triton_kernel_call",
+                                                     _UNUSED_LEGACY_FUNCTION, "Host")
     (out,) = torch_xla._XLAC._xla_gpu_custom_call([a], "opaque", [[2]], [torch.float32])
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out])
     assert 'custom_call_target="triton_kernel_call"' in hlo
@@ -57,9 +69,11 @@ def test_optimized_hlo_keeps_the_custom_call_even_for_constants(tmp_path):
     assert "api_version=API_VERSION_TYPED_FFI" in calls[0]
 
 
-def test_stale_executable_bug_in_stock_torch_xla_and_our_fix(xla_device, user_kernel_library):
-    """Stock `_xla_custom_call` hashes only the target: the second call, differing only in
-    its attribute, reuses the first executable. Ours gives each call its own."""
+def test_each_call_gets_its_own_executable(xla_device, user_kernel_library):
+    """torch_xla 2.9's own `_xla_custom_call` hashes only the target: a second call differing
+    only in its attribute reused the first executable (scale 10 returned scale 2's result).
+    After `import torch_xla_ext`, `_xla_custom_call` (same arguments) and `custom_call` give
+    each call its own."""
     import torch_xla
 
     import torch_xla_ext
@@ -67,7 +81,7 @@ def test_stale_executable_bug_in_stock_torch_xla_and_our_fix(xla_device, user_ke
     torch_xla_ext.load_kernels(user_kernel_library)
     x = torch.tensor([1.0, 2.0, 3.0], device=xla_device)
 
-    def stock(factor):
+    def through_torch_xla(factor):
         (out,) = torch_xla._XLAC._xla_custom_call([x], "user.scale", [[3]], [torch.float32], False,
                                                   f"{{factor = {factor} : f32}}", 4, {})
         return out.cpu().tolist()
@@ -77,11 +91,10 @@ def test_stale_executable_bug_in_stock_torch_xla_and_our_fix(xla_device, user_ke
                                            attrs={"factor": factor})
         return out.cpu().tolist()
 
-    assert stock(2.0) == [2.0, 4.0, 6.0]
-    assert stock(10.0) == [2.0, 4.0, 6.0], "stock torch_xla 2.9 no longer shows the bug"
-    assert ours(2.0) == [2.0, 4.0, 6.0]
-    assert ours(10.0) == [10.0, 20.0, 30.0]
-    assert ours(2.0) == [2.0, 4.0, 6.0]
+    for call in (through_torch_xla, ours):
+        assert call(2.0) == [2.0, 4.0, 6.0]
+        assert call(10.0) == [10.0, 20.0, 30.0]
+        assert call(2.0) == [2.0, 4.0, 6.0]
 
 
 def test_calls_differing_only_in_output_shape_or_dtype(xla_device):
