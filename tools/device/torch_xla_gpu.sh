@@ -8,13 +8,17 @@
 #            58 MiB (tools/device/torch_xla_closure.py; needs Bazel's wheel for our entry
 #            points: bazel build //...). Carry each piece in a call of its own, back to back in
 #            one lease (a carried path stays while the machine is warm); the last call runs:
-#   there: tools/device/torch_xla_gpu.sh run [proof|bench]
+#   there: tools/device/torch_xla_gpu.sh run [proof|legacy|bench]
 #            Unpacks into /tmp/torch_xla_gpu (sha256-checked), builds our libraries
 #            (SKIP_BUILD=1: keeps the kernels an earlier call built).
 #            proof: with PJRT_DEVICE=GPU in the staged torch: tools/device/torch_xla_gpu_proof.py
 #              check, then the torch_xla tests and the serving engine's tests; in the machine's
 #              own torch and JAX: the proof's compare -> $OUT/$GPU-torch-xla-gpu.json (the
 #              record), $OUT/$GPU-torch-xla-gpu.txt (the log)
+#            legacy: the guides' flow (tests/user_kernel/legacy/guides_flow.py, no added line:
+#              the staged wheel's entry points import torch_xla_ext) with the user's CUDA
+#              kernel built by nvcc, at api_version 1, 2, 3, and a typed FFI handler by
+#              capsule at 4 -> $OUT/$GPU-torch-xla-legacy.txt (proof runs it too)
 #            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
 #              through torchax, in one lease -> $OUT/$GPU-serving-torch-xla.json (both runs);
 #              bench/torch_xla_step_profile.py -> $OUT/$GPU-torch-xla-step-profile.txt
@@ -28,14 +32,15 @@ TREE=/tmp/torch_xla_gpu
 if [[ $COMMAND == stage ]]; then
   exec .venv/bin/python tools/device/torch_xla_closure.py stage "${@:2}"
 fi
-[[ $COMMAND == run && ( $PHASE == proof || $PHASE == bench ) ]] || {
-  echo "usage: $0 stage | run [proof|bench]" >&2; exit 2; }
+[[ $COMMAND == run && ( $PHASE == proof || $PHASE == legacy || $PHASE == bench ) ]] || {
+  echo "usage: $0 stage | run [proof|legacy|bench]" >&2; exit 2; }
 
 OUT="${OUT:-bench/results}"
 GPU="${GPU:-h100}"
 mkdir -p "$OUT"
 LOG="$OUT/$GPU-torch-xla-gpu.txt"
 [[ $PHASE == bench ]] && LOG=/tmp/torch-xla-bench.txt
+[[ $PHASE == legacy ]] && LOG="$OUT/$GPU-torch-xla-legacy.txt"
 : > "$LOG"
 step() { echo "== $*" | tee -a "$LOG"; }
 status=0
@@ -69,7 +74,34 @@ build_torch_extension() {  # the python3 environment whose torch to build agains
 }
 build_torch_extension env "PYTHONPATH=$TREE/site"
 
-if [[ $PHASE == proof ]]; then
+legacy_flow() {  # the guides' flow with the user's kernels, built here by nvcc
+  local dir=tests/user_kernel/legacy lib=/tmp/legacy_kernels log="$OUT/$GPU-torch-xla-legacy.txt"
+  mkdir -p "$lib"
+  [[ $log == "$LOG" ]] || : > "$log"
+  local nvcc=(/usr/local/cuda/bin/nvcc --shared -Xcompiler -fPIC -O2
+              -gencode=arch=compute_90,code=sm_90)
+  for v in 1 2 3; do
+    "${nvcc[@]}" -DAPI_VERSION=$v "$dir/simple_add_cuda.cu" -o "$lib/libsimple_add_v$v.so" 2>&1 | tee -a "$log"
+  done
+  "${nvcc[@]}" -std=c++17 -x cu -DUSER_FFI_CUDA -isystem .devbuild/ffi_include "$dir/ffi_add.cc" \
+    -o "$lib/libffi_add.so" 2>&1 | tee -a "$log"
+  for v in 1 2 3; do
+    echo "== guides' flow, api_version $v, PJRT_DEVICE=GPU, platform CUDA, no added line" | tee -a "$log"
+    local extra=(); [[ $v == 2 ]] && extra=(--check-failure)
+    timeout 180 "${STAGED[@]}" python3 "$dir/guides_flow.py" "$lib/libsimple_add_v$v.so" $v CUDA \
+      "${extra[@]}" > /tmp/legacy-$v.txt 2>&1 || status=1
+    grep -v -E "^WARNING|^I0000|^E0000|^W0000" /tmp/legacy-$v.txt | tail -6 | tee -a "$log"
+  done
+  echo "== a typed FFI handler by capsule, api_version 4, platform GPU" | tee -a "$log"
+  timeout 180 "${STAGED[@]}" python3 "$dir/guides_flow.py" "$lib/libffi_add.so" 4 GPU \
+    --target user.ffi_add --symbol UserFfiAdd > /tmp/legacy-4.txt 2>&1 || status=1
+  grep -v -E "^WARNING|^I0000|^E0000|^W0000" /tmp/legacy-4.txt | tail -6 | tee -a "$log"
+}
+
+if [[ $PHASE == legacy ]]; then
+  legacy_flow
+elif [[ $PHASE == proof ]]; then
+  legacy_flow
   step "check, PJRT_DEVICE=GPU, staged torch_xla: tools/device/torch_xla_gpu_proof.py check"
   timeout 300 "${STAGED[@]}" python3 tools/device/torch_xla_gpu_proof.py check 2>&1 | \
     grep -E "^(PASS|FAIL)|Error|error:" | tee -a "$LOG"
