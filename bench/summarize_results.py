@@ -49,6 +49,8 @@ KINDS = {
     r"engine-soak-(?P<backend>[a-z-]+)": "bench/engine_soak.py --steps 10000 on the dev machine",
     "torch-xla-gpu": "`tools/device/torch_xla_gpu.sh run proof`",
     "torch-xla-gpu-tests": "`tools/device/torch_xla_gpu.sh run proof`: the torch_xla and engine tests",
+    "torch-xla-legacy": "`tools/device/torch_xla_gpu.sh run legacy` (and `proof`): the guides' "
+                        "legacy custom-call flow with an nvcc-built kernel, api_version 1-4",
     "tests": "`tools/device/run.sh tests` (and `bench`, `tp1` and `tp2`, which append to it)",
     "decode-tests": "`tools/device/run.sh decode`: tests, sanitizers, benchmark lines",
     "ragged-tests": "`tools/device/run.sh ragged`: tests, sanitizers, benchmark lines",
@@ -534,7 +536,8 @@ SECTIONS = [
 ]
 LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),
         (r"sanitize(?:-(?P<tools>[a-z-]+))?", "txt"), ("plugin", "txt"),
-        ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("serving-summary", "txt")]
+        ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("torch-xla-legacy", "txt"),
+        ("serving-summary", "txt")]
 PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"),
             (r"ncu-ragged-sass-(?P<table>[0-9]+)", "csv"), ("dispatch-record-probe", "txt"),
             ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt"),

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ def test_users_example_returns_5_7_9(xla_device):
     assert out.cpu().tolist() == [5.0, 7.0, 9.0]
 
 
-# A legacy CPU function (out, ins, status) that is registered but never run: the HLO is read.
+# A legacy function that is registered but never run: only the HLO is read.
 _UNUSED_LEGACY_FUNCTION = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_void_p)(lambda out, ins, status: None)
 
@@ -38,8 +39,9 @@ def test_gpu_custom_call_keeps_the_2_8_default_target(xla_device):
     with pytest.raises(RuntimeError, match="custom call triton_kernel_call: no legacy "
                                            "custom-call function"):
         torch_xla._XLAC._xla_gpu_custom_call([a], "opaque", [[2]], [torch.float32])
+    platform = "CUDA" if os.environ.get("PJRT_DEVICE") == "GPU" else "Host"
     torch_xla._XLAC._xla_register_custom_call_target("triton_kernel_call",
-                                                     _UNUSED_LEGACY_FUNCTION, "Host")
+                                                     _UNUSED_LEGACY_FUNCTION, platform)
     (out,) = torch_xla._XLAC._xla_gpu_custom_call([a], "opaque", [[2]], [torch.float32])
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out])
     assert 'custom_call_target="triton_kernel_call"' in hlo
@@ -173,8 +175,9 @@ def test_a_call_of_one_of_our_targets_is_checked_at_the_call_and_records_nothing
     no_alibi = torch.empty(0, device=xla_device)
     attrs = {"scale": 0.1, "softcap": 0.0}
     # The handler's results: the output, then its workspace (no bytes off the GPU).
-    results = op_catalog.PAGED_ATTENTION.handler_results(
-        {**inputs, "alibi_slopes": None, **attrs}, attrs, workspace.xla_device_gpu())
+    results = op_catalog.PAGED_ATTENTION.handler_results(  # attributes as NumPy scalars
+        {**inputs, "alibi_slopes": None, **attrs}, {k: np.float32(v) for k, v in attrs.items()},
+        workspace.xla_device_gpu())
     shapes, dtypes = [list(s) for s, _ in results], [d for _, d in results]
     query_shape = list(inputs["query"].shape)
     target = "xla_ext.paged_attention"
