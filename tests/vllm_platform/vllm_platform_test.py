@@ -8,7 +8,9 @@ is set but PJRT_DEVICE=CPU), a tiny random Llama saved as a checkpoint, then
   (ragged attention, the KV write) and donates every layer's cache;
 - `vllm serve` answering OpenAI /v1/completions on loopback, from an HTTP client, with the same
   tokens, streamed too, and vLLM's error for a bad request, after which it serves the next;
-- the README's `vllm serve` line and `LLM` example, as written there (<checkpoint> filled in).
+- the README's `vllm serve` line and `LLM` example, as written there (<checkpoint> filled in);
+- `LLM` after torch work in the same process (a CPU matmul, a torch_xla graph, transformers'
+  forward) starts, generates and exits without an error; killed, it leaves no engine process.
 """
 
 import glob
@@ -20,6 +22,7 @@ import socket
 import sys
 import subprocess
 import textwrap
+import threading
 import time
 
 import pytest
@@ -115,6 +118,69 @@ def test_llm_generates_the_tokens_of_transformers_and_our_engine(installed, chec
                   if 'custom_call_target="xla_ext.kv_cache_update_slices"' in line}
         assert not [line for line in module.splitlines()
                     if " copy(" in line and any(f"= {c}" in line for c in caches)]
+
+
+_TORCH_WORK_FIRST = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    directory, limits = json.loads(sys.argv[1])
+    torch.randn(512, 512) @ torch.randn(512, 512)                  # torch's CPU (OpenMP)
+    import torch_xla
+    (torch.ones(4, device=torch_xla.device()) * 2).cpu()           # a torch_xla graph
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(directory)(torch.tensor([[1, 2, 3]]))
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=directory, dtype="float32", skip_tokenizer_init=True, **limits)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    print("RESULT", json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
+    if len(sys.argv) > 2:
+        print("READY", flush=True)
+        time.sleep(600)  # until killed
+""")
+
+
+def test_llm_starts_after_torch_work_and_exits_cleanly(installed, checkpoint, tmp_path):
+    python, _ = installed
+    directory, model = checkpoint
+    result = subprocess.run([python, "-c", _TORCH_WORK_FIRST, json.dumps([directory, LIMITS])],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env=_env(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    got, = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
+            if line.startswith("RESULT ")]
+    assert got == hf.reference_generate(model, [1, 2, 3], 4)[0]
+    errors = [line for line in result.stderr.splitlines()
+              if "ERROR" in line or "died unexpectedly" in line]
+    assert errors == [], "\n".join(errors)
+
+
+def test_a_killed_llm_process_leaves_no_engine_process(installed, checkpoint, tmp_path):
+    import psutil
+
+    python, _ = installed
+    directory, _ = checkpoint
+    process = subprocess.Popen([python, "-c", _TORCH_WORK_FIRST, json.dumps([directory, LIMITS]),
+                                "wait"], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, env=_env(tmp_path))
+    ready = threading.Event()
+
+    def watch():
+        for line in process.stdout:
+            if line.startswith("READY"):
+                ready.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        assert ready.wait(timeout=600), "LLM did not start within 600 s"
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "vLLM started no engine process"
+        process.kill()
+        process.wait()
+        gone, alive = psutil.wait_procs(children, timeout=60)
+        assert alive == [], [" ".join(p.cmdline()) for p in alive]
+    finally:
+        process.kill()
 
 
 def _free_port():

@@ -9,6 +9,13 @@ PJRT_DEVICE names: the CPU, or an NVIDIA GPU through torch_xla_ext's CUDA PJRT p
 vLLM asks every installed platform plugin whether it applies (`register()`); this one does
 when PJRT_DEVICE is CPU or GPU, and nothing else is needed. What it changes of vLLM's TPU
 platform, and why, is in xla_platform.py and worker.py.
+
+vLLM starts its engine process by fork unless VLLM_WORKER_MULTIPROC_METHOD says otherwise.
+A forked child of a process that already ran torch work cannot run: torch's OpenMP thread pool
+and torch_xla's runtime (its PJRT client and thread pools) do not survive fork, and the child
+hangs at its first parallel op, loading the weights. So where this platform applies, and the
+variable is unset, vLLM spawns instead, as it does itself once CUDA is initialized; a script
+then keeps its `LLM(...)` under `if __name__ == "__main__":`, as vLLM's docs ask for spawn.
 """
 
 import os
@@ -21,4 +28,5 @@ def register():
     """vLLM's platform plugin entry point: the platform's class name where it applies."""
     if os.environ.get("PJRT_DEVICE", "").upper() not in DEVICES:
         return None
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return "torch_xla_ext.vllm_platform.xla_platform.XlaPlatform"

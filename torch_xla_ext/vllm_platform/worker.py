@@ -9,9 +9,16 @@ The worker differs from TPUWorker in:
   (xm.get_memory_info fails there), so the KV cache is what vLLM's `kv_cache_memory_bytes`
   says, else enough for max_num_seqs sequences of max_model_len tokens. On a GPU, TPUWorker's
   (a profile run, then the device's memory statistics).
+
+A worker that vLLM started as a child process (its engine core, with one worker in it) ends
+with its parent, even one killed with SIGKILL: the kernel sends it SIGKILL then
+(PR_SET_PDEATHSIG), so no engine process outlives its `LLM` or `vllm serve`.
 """
 
+import ctypes
+import multiprocessing
 import os
+import signal
 
 import torch
 
@@ -28,9 +35,24 @@ from vllm.v1.worker.tpu_model_runner import TPUModelRunner  # noqa: E402
 from vllm.v1.worker.tpu_worker import TPUWorker  # noqa: E402
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _end_with_parent():
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if not parent.is_alive():  # it ended before the request took effect
+        os._exit(1)
+
+
 class XlaWorker(TPUWorker):
 
     def init_device(self):
+        _end_with_parent()
         torch.set_grad_enabled(False)
         torch.set_default_dtype(self.model_config.dtype)
         self._init_tpu_worker_distributed_environment(
