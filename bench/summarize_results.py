@@ -64,6 +64,8 @@ KINDS = {
     "ncu-ragged": "`tools/device/run.sh ncu_ragged`: Nsight Compute on the ragged kernels",
     r"ncu-ragged-sass-(?P<table>[0-9]+)": "`NCU_SASS=1 tools/device/run.sh ncu_ragged`: SASS table",
     "ragged-clocks": "`tools/device/run.sh clocks_ragged`: SM clock and power per mix",
+    "vllm": "`tools/device/torch_xla_gpu.sh run vllm`: tools/device/vllm_gpu.py, vLLM's LLM "
+            "through torch_xla_ext.vllm_platform",
     "torch-xla-step-profile": "`tools/device/torch_xla_gpu.sh run bench`: "
                               "bench/torch_xla_step_profile.py",
 }
@@ -441,6 +443,22 @@ def torch_xla_gpu(f):
     return [line]
 
 
+def vllm_on_xla(f):
+    rows = []
+    for model, m in f.data["models"].items():
+        v = m.get("vllm", {})
+        reference = m.get(m.get("equal_to"), {})
+        agree = "yes" if m.get("equal") else f"no, first divergence {m.get('first_divergence')}"
+        errors = "; ".join(f"{who}: {r['error']}" for who, r in m.items()
+                           if isinstance(r, dict) and "error" in r) or "–"
+        rows.append([model, v.get("device", "–"), m.get("equal_to"), agree,
+                     v.get("start_to_first_token_s", "–"), v.get("num_gpu_blocks", "–"),
+                     v.get("block_size", "–"), reference.get("wall_s", "–"), errors])
+    return [source_line(f), ""] + table(
+        ["model", "device", "tokens against", "equal", "vLLM start to first token s",
+         "KV blocks", "block size", "reference's run s", "errors"], rows)
+
+
 # --- logs --------------------------------------------------------------------------------
 
 LOG_DATE = re.compile(r"^== (\w{3} \w{3} +\d+ [\d:]+ [AP]M UTC \d{4}) (.+?), [\d.]+$", re.M)
@@ -532,6 +550,7 @@ SECTIONS = [
     ("One decoder layer split over GPUs", [(r"tp(?P<tp>[0-9]+)", "json")], tp_layer, "each"),
     ("Engine soak", [(r"engine-soak-(?P<backend>[a-z-]+)", "json")], engine_soak, "all"),
     ("torch_xla on the GPU", [("torch-xla-gpu", "json")], torch_xla_gpu, "each"),
+    ("vLLM's engine on XLA", [("vllm", "json")], vllm_on_xla, "each"),
     ("SM clock under load", [("ragged-clocks", "txt")], clocks, "each"),
 ]
 LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),

@@ -1,5 +1,6 @@
-"""torch 2.9 + torch_xla 2.9 + a CUDA PJRT plugin for a GPU machine that has none of them and
-whose transfers carry at most 64 MiB per call (tools/device/torch_xla_gpu.sh drives this).
+"""torch 2.9 + torch_xla 2.9 + a CUDA PJRT plugin (and, with --vllm, vLLM 0.13) for a GPU
+machine that has none of them and whose transfers carry at most 64 MiB per call
+(tools/device/torch_xla_gpu.sh drives this).
 
   stage:  here, with PyPI: downloads the pinned wheels for the GPU machine's Python, builds the
           install tree, packs it as one .tar.xz cut into pieces of at most --piece-mib, one
@@ -7,6 +8,11 @@ whose transfers carry at most 64 MiB per call (tools/device/torch_xla_gpu.sh dri
           folder's MANIFEST.json.
   unpack: there: checks every piece against the manifest, extracts the tree, and links the
           plugin's CUDA 13 libraries to the machine's own.
+
+With --vllm the tree also holds vLLM 0.13's Python package, without its CUDA extension
+libraries (vllm/_C and the rest, 1.2 GB: its torch_xla path loads none of them), and those of
+vLLM's dependencies the GPU machine lacks, or has at versions vLLM 0.13 does not take
+(transformers 5, huggingface-hub 1), at requirements.txt's versions.
 
 torch_xla needs only torch's CPU side, but torch 2.9's CPU libraries name CUDA 12 libraries as
 NEEDED. The tree keeps libtorch_cpu, libtorch_python, libc10, libc10_cuda with the CUDA 12
@@ -37,6 +43,43 @@ CUDA12_RUNTIME = ["nvidia-cuda-runtime-cu12==12.8.90", "nvidia-cuda-cupti-cu12==
 # requirements.txt's versions.
 PYTHON_DEPS = ["absl-py==2.5.1", "pyelftools==0.33", "PyYAML==6.0.3", "requests==2.34.2", "urllib3==2.8.0",
                "idna==3.20", "certifi==2026.10.18", "charset-normalizer==3.5.2"]
+# vLLM's dependencies (their closure without extras, plus what `vllm serve` runs on) that the
+# GPU machine's image lacks or has at versions vLLM 0.13 refuses; versions from requirements.txt.
+VLLM_DEPS = [
+    "annotated-types", "anthropic", "astor", "blake3", "cachetools", "cbor2", "cffi",
+    "compressed-tensors", "depyf", "dill", "diskcache", "distro", "docstring-parser", "fastapi",
+    "gguf", "hf-xet", "httptools", "httpx2", "huggingface-hub", "ijson", "interegular", "jiter",
+    "jmespath", "jsonschema", "jsonschema-specifications", "lark", "llguidance",
+    "lm-format-enforcer", "loguru", "mcp", "mcp-types", "mistral-common",
+    "model-hosting-container-standards", "msgspec", "openai", "openai-harmony",
+    "opentelemetry-api", "outlines-core", "partial-json-parser",
+    "prometheus-fastapi-instrumentator", "pybase64", "pycountry", "pycparser", "pydantic", "pydantic-core",
+    "pydantic-extra-types", "pyjwt", "python-dotenv", "python-json-logger", "python-multipart",
+    "pyzmq", "referencing", "rpds-py", "setproctitle", "sniffio", "sse-starlette", "starlette",
+    "supervisor", "tokenizers", "transformers", "typing-inspection", "uvicorn", "watchfiles",
+    "websockets", "xgrammar",
+]
+REQUIREMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                            "requirements.txt")
+
+
+def pinned(names):
+    """`name==version` of each name, as requirements.txt pins it."""
+    def norm(name):
+        return name.replace("_", "-").replace(".", "-").lower()
+
+    pins = {}
+    with open(REQUIREMENTS) as f:
+        for line in f:
+            name, sep, version = line.strip().partition("==")
+            if sep and not line.startswith("#"):
+                pins[norm(name)] = version.split(";")[0].strip()
+    missing = [n for n in names if norm(n) not in pins]
+    if missing:
+        raise SystemExit(f"requirements.txt pins none of {missing}")
+    return [f"{n}=={pins[norm(n)]}" for n in names]
+
+
 # Libraries dropped from torch/lib: the CUDA side, and what only it loads.
 DROPPED = ["libtorch_cuda.so", "libtorch_cuda_linalg.so", "libtorch_nvshmem.so",
            "libcaffe2_nvrtc.so"]
@@ -68,7 +111,8 @@ def run(*command, **kwargs):
 
 def download(requirements, dest, python_version):
     run(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--python-version", python_version, "--platform", "manylinux_2_28_x86_64",
+        "--python-version", python_version, "--platform", "manylinux_2_34_x86_64",
+        "--platform", "manylinux_2_31_x86_64", "--platform", "manylinux_2_28_x86_64",
         "--platform", "manylinux_2_27_x86_64", "--platform", "manylinux2014_x86_64",
         "--platform", "manylinux_2_17_x86_64", "-d", dest, *requirements)
 
@@ -82,9 +126,12 @@ def wheel_for(requirement, wheels):
     raise SystemExit(f"no wheel for {requirement} in {wheels}")
 
 
-def extract_wheel(path, dest):
+def extract_wheel(path, dest, leave_out=()):
+    """Extracts a wheel into `dest`, but the members whose names end with `leave_out`."""
     with zipfile.ZipFile(path) as wheel:
         for info in wheel.infolist():
+            if info.filename.endswith(tuple(leave_out)):
+                continue
             wheel.extract(info, dest)
             mode = (info.external_attr >> 16) & 0o777
             if mode:
@@ -205,13 +252,16 @@ def stage(args):
     work = os.path.abspath(args.work)
     wheels = os.path.join(work, f"wheels-cp{python_version.replace('.', '')}")
     os.makedirs(wheels, exist_ok=True)
-    download([TORCH, TORCH_XLA, CUDA_PLUGIN, *CUDA12_RUNTIME, *PYTHON_DEPS], wheels,
+    vllm = pinned(["vllm", *VLLM_DEPS]) if args.vllm else []
+    download([TORCH, TORCH_XLA, CUDA_PLUGIN, *CUDA12_RUNTIME, *PYTHON_DEPS, *vllm], wheels,
              python_version)
     tree = os.path.join(work, "tree")
     shutil.rmtree(tree, ignore_errors=True)
     site = os.path.join(tree, SITE_DIR)
-    for requirement in (TORCH, TORCH_XLA, *CUDA12_RUNTIME, *PYTHON_DEPS):
+    for requirement in (TORCH, TORCH_XLA, *CUDA12_RUNTIME, *PYTHON_DEPS, *vllm[1:]):
         extract_wheel(wheel_for(requirement, wheels), site)
+    if vllm:  # its CUDA extensions (.so) left out
+        extract_wheel(wheel_for(vllm[0], wheels), site, leave_out=(".so",))
     extract_wheel(wheel_for(CUDA_PLUGIN, wheels), os.path.join(tree, PLUGIN_DIR))
     # torch_xla_ext's entry points (PJRT_DEVICE=GPU is its `gpu` plugin) from the built wheel;
     # the package itself comes from the checkout on the GPU machine.
@@ -273,7 +323,7 @@ def stage(args):
                            "sha256": hashlib.sha256(chunk).hexdigest()})
     manifest = {"archive": ARCHIVE, "sha256": whole.hexdigest(), "pieces": pieces,
                 "python": python_version,
-                "contents": [TORCH, TORCH_XLA, CUDA_PLUGIN, *CUDA12_RUNTIME, *PYTHON_DEPS],
+                "contents": [TORCH, TORCH_XLA, CUDA_PLUGIN, *CUDA12_RUNTIME, *PYTHON_DEPS, *vllm],
                 "stubs": counts}
     for piece in pieces:
         with open(os.path.join(pieces_root, piece["folder"], "MANIFEST.json"), "w") as f:
@@ -382,6 +432,8 @@ def main():
     s.add_argument("--piece-mib", type=int, default=58)
     s.add_argument("--wheel", default=next(iter(glob.glob("bazel-bin/torch_xla_ext-*.whl")), None),
                    help="torch_xla_ext's wheel, for its entry points (default: Bazel's)")
+    s.add_argument("--vllm", action="store_true",
+                   help="add vLLM 0.13 (without its CUDA extensions) and its missing dependencies")
     s.add_argument("--tree-only", action="store_true",
                    help="build the tree and stop (to try it on this machine)")
     u = sub.add_parser("unpack")

@@ -8,7 +8,7 @@
 #            58 MiB (tools/device/torch_xla_closure.py; needs Bazel's wheel for our entry
 #            points: bazel build //...). Carry each piece in a call of its own, back to back in
 #            one lease (a carried path stays while the machine is warm); the last call runs:
-#   there: tools/device/torch_xla_gpu.sh run [proof|legacy|bench]
+#   there: tools/device/torch_xla_gpu.sh run [proof|legacy|vllm|bench]
 #            Unpacks into /tmp/torch_xla_gpu (sha256-checked), builds our libraries
 #            (SKIP_BUILD=1: keeps the kernels an earlier call built).
 #            proof: with PJRT_DEVICE=GPU in the staged torch: tools/device/torch_xla_gpu_proof.py
@@ -19,6 +19,10 @@
 #              the staged wheel's entry points import torch_xla_ext) with the user's CUDA
 #              kernel built by nvcc, at api_version 1, 2, 3, and a typed FFI handler by
 #              capsule at 4 -> $OUT/$GPU-torch-xla-legacy.txt (proof runs it too)
+#            vllm: (staged with `stage --vllm`) vLLM 0.13's LLM through torch_xla_ext.vllm_platform
+#              with PJRT_DEVICE=GPU: tools/device/vllm_gpu.py on a tiny float32 checkpoint
+#              (against transformers) and the 1B-class one in bfloat16 (against our Engine's
+#              torch_xla backend), VLLM_MODELS picks -> $OUT/$GPU-vllm.json
 #            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
 #              through torchax, in one lease -> $OUT/$GPU-serving-torch-xla.json (both runs);
 #              bench/torch_xla_step_profile.py -> $OUT/$GPU-torch-xla-step-profile.txt
@@ -32,8 +36,8 @@ TREE=/tmp/torch_xla_gpu
 if [[ $COMMAND == stage ]]; then
   exec .venv/bin/python tools/device/torch_xla_closure.py stage "${@:2}"
 fi
-[[ $COMMAND == run && ( $PHASE == proof || $PHASE == legacy || $PHASE == bench ) ]] || {
-  echo "usage: $0 stage | run [proof|legacy|bench]" >&2; exit 2; }
+[[ $COMMAND == run && $PHASE =~ ^(proof|legacy|vllm|bench)$ ]] || {
+  echo "usage: $0 stage [--vllm] | run [proof|legacy|vllm|bench]" >&2; exit 2; }
 
 OUT="${OUT:-bench/results}"
 GPU="${GPU:-h100}"
@@ -41,6 +45,7 @@ mkdir -p "$OUT"
 LOG="$OUT/$GPU-torch-xla-gpu.txt"
 [[ $PHASE == bench ]] && LOG=/tmp/torch-xla-bench.txt
 [[ $PHASE == legacy ]] && LOG="$OUT/$GPU-torch-xla-legacy.txt"
+[[ $PHASE == vllm ]] && LOG=/tmp/vllm-gpu.txt
 : > "$LOG"
 step() { echo "== $*" | tee -a "$LOG"; }
 status=0
@@ -100,6 +105,11 @@ legacy_flow() {  # the guides' flow with the user's kernels, built here by nvcc
 
 if [[ $PHASE == legacy ]]; then
   legacy_flow
+elif [[ $PHASE == vllm ]]; then
+  step "vLLM, PJRT_DEVICE=GPU, staged torch_xla and vLLM: tools/device/vllm_gpu.py"
+  timeout 570 "${STAGED[@]}" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 python3 tools/device/vllm_gpu.py \
+    --models "${VLLM_MODELS:-tiny,1b}" --out "$OUT/$GPU-vllm.json" > /tmp/vllm-gpu-full.txt 2>&1 || status=1
+  grep -E "^(PASS|FAIL)|Error" /tmp/vllm-gpu-full.txt | tail -20 | tee -a "$LOG"
 elif [[ $PHASE == proof ]]; then
   legacy_flow
   step "check, PJRT_DEVICE=GPU, staged torch_xla: tools/device/torch_xla_gpu_proof.py check"
