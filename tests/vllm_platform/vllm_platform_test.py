@@ -112,6 +112,8 @@ def test_llm_generates_the_tokens_of_transformers_and_our_engine(installed, chec
     assert steps, "no compiled module calls xla_ext.ragged_paged_attention"
     for module in steps:
         assert 'custom_call_target="xla_ext.kv_cache_update_slices"' in module
+        # The cache keeps head size 64 ([pages, 16, 2 * 2 kv heads, 64]), unpadded to 128.
+        assert re.search(r"f32\[\d+,16,4,64\]", module) and "4,128]" not in module
         header = module.splitlines()[0]
         assert header.count("may-alias") >= hf.TINY["num_hidden_layers"], header
         caches = {line.split("= ")[1].split(" ")[0] for line in module.splitlines()
@@ -181,6 +183,25 @@ def test_a_killed_llm_process_leaves_no_engine_process(installed, checkpoint, tm
         assert alive == [], [" ".join(p.cmdline()) for p in alive]
     finally:
         process.kill()
+
+
+def test_a_max_model_len_the_pallas_backend_pages_by_256_starts(installed, tmp_path):
+    """vLLM's Pallas backend picks page size 256 for max_model_len 2049-8192; our kernels take
+    8-128, so the platform takes 128, and the model generates transformers' tokens."""
+    python, _ = installed
+    model = hf.random_model(dict(hf.TINY, max_position_embeddings=8192), seed=1)
+    model.config.torch_dtype = torch.float32
+    directory = str(tmp_path / "long")
+    model.save_pretrained(directory)
+    limits = dict(LIMITS, max_model_len=4096)
+    result = subprocess.run([python, "-c", _GENERATE, json.dumps([directory, [[5, 6, 7]], 4, limits])],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env=_env(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "KV page size 128 (the Pallas backend chose 256" in result.stderr + result.stdout
+    got, = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
+            if line.startswith("RESULT ")]
+    assert got["tokens"] == [hf.reference_generate(model, [5, 6, 7], 4)[0]]
 
 
 def _free_port():
@@ -289,5 +310,27 @@ def test_a_bad_request_gets_vllms_error_and_the_next_is_served(server, prompts, 
     assert "Token id 517 is out of vocabulary" in out_of_vocabulary.text
     too_long = _completion(url, model, prompts[0], max_tokens=1000)
     assert too_long.status_code == 400 and "maximum context length" in too_long.text, too_long.text
+    good = _completion(url, model, prompts[2])
+    assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == expected[2]
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"logit_bias": {"5": 100.0}}, "logit_bias"),
+    ({"allowed_token_ids": [7]}, "allowed_token_ids"),
+    ({"repetition_penalty": 10.0}, "repetition_penalty=10.0"),
+    ({"presence_penalty": 2.0}, "presence_penalty=2.0"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty=1.0"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs=1"),
+])
+def test_a_sampling_field_the_xla_sampler_ignores_is_refused_by_name(server, prompts, expected,
+                                                                     fields, named):
+    """vLLM's XLA sampler keeps these but never applies them (a greedy request with them
+    returned the plain greedy tokens): refused with a 400 naming the field, then the next
+    request is served."""
+    url, model = server
+    refused = _completion(url, model, prompts[0], **fields)
+    assert refused.status_code == 400, refused.text
+    assert "Unsupported sampling parameters on the XLA platform" in refused.text
+    assert named in refused.text, refused.text
     good = _completion(url, model, prompts[2])
     assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == expected[2]

@@ -5,10 +5,16 @@ The worker differs from TPUWorker in:
   the usage report (which asks tpu_info for the chip); on the CPU, dynamo's symbolic-shape
   guards stay in Python (torch 2.9 builds them as C++ with a compiler run per graph, seconds
   each, for guards that check a few sizes);
-- `determine_available_memory` on the CPU: XLA's CPU client keeps no allocator statistics
-  (xm.get_memory_info fails there), so the KV cache is what vLLM's `kv_cache_memory_bytes`
-  says, else enough for max_num_seqs sequences of max_model_len tokens. On a GPU, TPUWorker's
-  (a profile run, then the device's memory statistics).
+- `determine_available_memory`: what vLLM's `kv_cache_memory_bytes` says, where set. Else on
+  the CPU, whose XLA client keeps no allocator statistics (xm.get_memory_info fails there),
+  enough for max_num_seqs sequences of max_model_len tokens; on a GPU, TPUWorker's (a profile
+  run, then the device's memory statistics).
+
+- the head size stays unpadded where our kernels take it as it is: vLLM's Pallas backend pads
+  every head to a multiple of 128 (a TPU's lanes), so head size 64 ran as 128 with zeros, its
+  cache twice the size; for a head size our ragged attention takes (its contract's head_dim)
+  the backend's alignment becomes that size (_unpadded_heads), in the worker's process, where
+  the cache is sized and the model built.
 
 A worker that vLLM started as a child process (its engine core, with one worker in it) ends
 with its parent, even one killed with SIGKILL: the kernel sends it SIGKILL then
@@ -22,6 +28,7 @@ import signal
 
 import torch
 
+from torch_xla_ext import checks
 from torch_xla_ext.vllm_platform import kv_cache_update, xla_platform  # noqa: F401  (tpu_info)
 
 kv_cache_update.serve()  # before TPUWorker's import of the model runner imports pallas.py
@@ -29,6 +36,8 @@ kv_cache_update.serve()  # before TPUWorker's import of the model runner imports
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 import vllm.envs as envs  # noqa: E402
+import vllm.v1.attention.backends.pallas as pallas  # noqa: E402
+import vllm.v1.worker.tpu_worker as tpu_worker  # noqa: E402
 from vllm.model_executor import set_random_seed  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.worker.tpu_model_runner import TPUModelRunner  # noqa: E402
@@ -49,10 +58,17 @@ def _end_with_parent():
         os._exit(1)
 
 
+def _unpadded_heads(model_config):
+    head_size = model_config.get_head_size()
+    if head_size in checks.supported(checks.RAGGED_PAGED_ATTENTION, "head_dim", "q"):
+        pallas.TPU_HEAD_SIZE_ALIGNMENT = tpu_worker.TPU_HEAD_SIZE_ALIGNMENT = head_size
+
+
 class XlaWorker(TPUWorker):
 
     def init_device(self):
         _end_with_parent()
+        _unpadded_heads(self.model_config)
         torch.set_grad_enabled(False)
         torch.set_default_dtype(self.model_config.dtype)
         self._init_tpu_worker_distributed_environment(
@@ -72,10 +88,10 @@ class XlaWorker(TPUWorker):
                                            self.original_parallel_config)
 
     def determine_available_memory(self):
-        if xr.device_type() != "CPU":
-            return super().determine_available_memory()
         if self.cache_config.kv_cache_memory_bytes:
             return int(self.cache_config.kv_cache_memory_bytes)
+        if xr.device_type() != "CPU":
+            return super().determine_available_memory()
         specs = self.model_runner.get_kv_cache_spec().values()
         blocks = self.scheduler_config.max_num_seqs * cdiv(self.model_config.max_model_len,
                                                             self.cache_config.block_size)

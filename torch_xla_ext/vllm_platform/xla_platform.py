@@ -11,6 +11,10 @@ TPUs: torch_xla_ops.py), XLA sampling. What differs:
   device on;
 - the model keeps the dtype it is given (TpuPlatform turns float16 and float32 into bfloat16);
 - the worker is worker.XlaWorker;
+- the KV page size is one our attention kernels take: for max_model_len 2049-8192 the Pallas
+  backend picks 256, and ours take 8-128 (their contract), so the largest of those under it;
+- sampling fields that vLLM's XLA sampler ignores are refused at the request, each by name
+  (unsupported_sampling_fields), instead of returning plain greedy tokens;
 - a prompt's token ids are checked against the model's vocabulary. vLLM checks them only
   against a tokenizer, and with `skip_tokenizer_init` has none; an XLA gather clamps an index
   out of range, so such a prompt would run on the wrong embeddings instead of failing.
@@ -40,11 +44,27 @@ except ImportError:
     _stand_in_for_tpu_info()
 
 from vllm.logger import init_logger  # noqa: E402
+
+from torch_xla_ext import checks  # noqa: E402
 from vllm.platforms.tpu import TpuPlatform  # noqa: E402
 
 logger = init_logger(__name__)
 
 WORKER = "torch_xla_ext.vllm_platform.worker.XlaWorker"
+
+
+def unsupported_sampling_fields(params):
+    """The SamplingParams fields set on `params` that vLLM 0.13's XLA sampler (vllm/v1/sample/
+    tpu) does not apply, as `name=value`: the penalties, logit_bias, allowed_token_ids and
+    bad_words are kept in its input batch but never reach the logits, and prompt_logprobs
+    comes back with one entry for the whole prompt."""
+    defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    set_fields = [f"{name}={getattr(params, name)}" for name, default in defaults.items()
+                  if getattr(params, name) != default]
+    for name in ("logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs"):
+        if getattr(params, name, None):
+            set_fields.append(f"{name}={getattr(params, name)!r}")
+    return set_fields
 
 
 class XlaPlatform(TpuPlatform):
@@ -73,6 +93,13 @@ class XlaPlatform(TpuPlatform):
             model_config.dtype = dtype
         if model_config is not None:
             cls.vocab_size = model_config.get_vocab_size()
+        cache = vllm_config.cache_config
+        page_sizes = checks.supported(checks.RAGGED_PAGED_ATTENTION, "page_size", "kv_pages")
+        if cache.block_size not in page_sizes:
+            chosen = max((p for p in page_sizes if p <= cache.block_size), default=min(page_sizes))
+            logger.info("XLA platform: KV page size %d (the Pallas backend chose %d; our attention "
+                        "kernels take %s)", chosen, cache.block_size, list(page_sizes))
+            cache.block_size = chosen
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.tpu_worker.TPUWorker"):
             parallel.worker_cls = WORKER
@@ -80,6 +107,15 @@ class XlaPlatform(TpuPlatform):
     @classmethod
     def validate_request(cls, prompt, params, processed_inputs):
         super().validate_request(prompt, params, processed_inputs)
+        from vllm.sampling_params import SamplingParams
+
+        if isinstance(params, SamplingParams):
+            unsupported = unsupported_sampling_fields(params)
+            if unsupported:
+                raise ValueError(
+                    f"Unsupported sampling parameters on the XLA platform: "
+                    f"{', '.join(unsupported)}. vLLM's XLA sampler applies temperature, top_k, "
+                    "top_p, min_p and logprobs only; leave these out.")
         ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) \
             else None
         if ids and cls.vocab_size is not None:
