@@ -26,6 +26,10 @@ MAX_TOKENS = 16
 PROMPT_LENS = (5, 17, 40, 9)
 LIMITS = {"tiny": dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64),
           "1b": dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256)}
+# vLLM's TPU model runner makes the KV cache with torch.zeros on the host, then moves it: sized
+# from the GPU's free memory (0.9 of 141 GB) it outgrows the host's and the engine process is
+# killed. The runs here give vLLM a cache size.
+KV_CACHE_BYTES = 4 << 30
 
 
 def _prompts(vocab_size):
@@ -60,7 +64,8 @@ def run_vllm(model, directory):
     from vllm.platforms import current_platform
 
     dtype = "float32" if model == "tiny" else "bfloat16"
-    llm = LLM(model=directory, dtype=dtype, skip_tokenizer_init=True, **LIMITS[model])
+    llm = LLM(model=directory, dtype=dtype, skip_tokenizer_init=True,
+              kv_cache_memory_bytes=KV_CACHE_BYTES, **LIMITS[model])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = _prompts(_config(model)["vocab_size"])
     first = llm.generate([{"prompt_token_ids": prompts[0]}],
