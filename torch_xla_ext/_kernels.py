@@ -9,6 +9,7 @@ import functools
 import os
 import threading
 
+from torch_xla_ext.binders import TYPED_FFI
 from torch_xla_ext.errors import TorchXlaExtError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -276,6 +277,17 @@ def binder_dll():
     dll.xla_ext_pjrt_api_version.restype = None
     dll.xla_ext_pjrt_api_version.argtypes = [ctypes.c_void_p] * 3
     return dll
+
+
+def register_target(target, ffi_handler, legacy_function, where):
+    """Runs one of the binder's single-target registrations: `ffi_handler(err, err_size)` for
+    a typed FFI target, else `legacy_function(err, err_size)` (each a partial of a C function
+    of csrc/binder.cc); raises with the runtime's message, naming `where`."""
+    err = ctypes.create_string_buffer(1024)
+    register = ffi_handler if target.kind == TYPED_FFI else legacy_function
+    if register(err, len(err)) != 0:
+        raise TorchXlaExtError(f"registering {target.name} for {target.platform} in {where}: "
+                               f"{err.value.decode()}")
 
 
 def call_binder(fn, runtime_api, library, platform):

@@ -7,10 +7,10 @@ loaded library, so its GetPjrtApi() returns the framework's API.
 """
 
 import ctypes
+import functools
 import os
 
 from torch_xla_ext import _kernels
-from torch_xla_ext.binders import TYPED_FFI
 from torch_xla_ext.errors import TorchXlaExtError
 
 
@@ -47,17 +47,14 @@ class PjrtPluginRuntime:
     def register_target(self, target):
         """A user's target (custom_call_targets.Target): a typed FFI handler through the FFI
         extension, a legacy function through the GPU custom-call extension."""
-        err = ctypes.create_string_buffer(1024)
-        if target.kind == TYPED_FFI:
-            status = self._binder.xla_ext_pjrt_register_ffi_handler(
-                self.api, target.name.encode(), self.platform.encode(), target.address, 0, err,
-                len(err))
-        else:
-            status = self._binder.xla_ext_pjrt_register_legacy_target(
-                self.api, target.name.encode(), target.address, err, len(err))
-        if status != 0:
-            raise TorchXlaExtError(f"registering {target.name} for {self.platform} in {self.path}: "
-                                   f"{err.value.decode()}")
+        name = target.name.encode()
+        _kernels.register_target(
+            target,
+            functools.partial(self._binder.xla_ext_pjrt_register_ffi_handler, self.api, name,
+                              self.platform.encode(), target.address, 0),
+            functools.partial(self._binder.xla_ext_pjrt_register_legacy_target, self.api, name,
+                              target.address),
+            self.path)
 
     def has_legacy_target(self, name):
         return False  # the plugin's registry cannot be read; users' targets are known above

@@ -9,6 +9,7 @@ same way and called from the binder (csrc/binder.cc).
 """
 
 import ctypes
+import functools
 import mmap
 import os
 
@@ -16,7 +17,6 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 
 from torch_xla_ext import _kernels
-from torch_xla_ext.binders import TYPED_FFI
 from torch_xla_ext.errors import TorchXlaExtError
 
 GET_API_SYMBOL = "_ZN3xla3ffi12GetXlaFfiApiEv"  # xla::ffi::GetXlaFfiApi()
@@ -123,18 +123,15 @@ class TorchXlaRuntime:
     def register_target(self, target):
         """A user's target (custom_call_targets.Target): a typed FFI handler through the
         XLA_FFI_Api, a legacy function into the CustomCallTargetRegistry."""
-        err = ctypes.create_string_buffer(1024)
-        if target.kind == TYPED_FFI:
-            status = self._binder.xla_ext_register_ffi_handler(
-                self.api, target.name.encode(), self.platform.encode(), target.address, 0, err,
-                len(err))
-        else:
-            status = self._binder.xla_ext_registry_register(
-                self._registry["global"], self._registry["lookup"], self._registry["register"],
-                target.name.encode(), target.address, self.platform.encode(), err, len(err))
-        if status != 0:
-            raise TorchXlaExtError(f"registering {target.name} for {self.platform} in torch_xla's "
-                                   f"XLA: {err.value.decode()}")
+        name, platform = target.name.encode(), self.platform.encode()
+        _kernels.register_target(
+            target,
+            functools.partial(self._binder.xla_ext_register_ffi_handler, self.api, name, platform,
+                              target.address, 0),
+            functools.partial(self._binder.xla_ext_registry_register, self._registry["global"],
+                              self._registry["lookup"], self._registry["register"], name,
+                              target.address, platform),
+            "torch_xla's XLA")
 
     def has_legacy_target(self, name):
         return bool(self._binder.xla_ext_registry_lookup(

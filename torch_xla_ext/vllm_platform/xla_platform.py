@@ -15,11 +15,16 @@ TPUs: torch_xla_ops.py), XLA sampling. What differs:
   backend picks 256, and ours take 8-128 (their contract), so the largest of those under it;
 - sampling fields that vLLM's XLA sampler ignores are refused at the request, each by name
   (unsupported_sampling_fields), instead of returning plain greedy tokens;
-- a prompt's token ids are checked against the model's vocabulary. vLLM checks them only
+- a prompt's token ids are checked against the model's vocabulary;
+- at the exit of a process that made an engine, the engine client shuts down before
+  multiprocessing's exit handler terminates the engine process (_shut_down_before_exit):
+  otherwise vLLM's monitor thread sees the engine die and logs "Engine core proc ... died
+  unexpectedly" (an ERROR) for a clean exit. vLLM checks them only
   against a tokenizer, and with `skip_tokenizer_init` has none; an XLA gather clamps an index
   out of range, so such a prompt would run on the wrong embeddings instead of failing.
 """
 
+import atexit
 import sys
 import types
 
@@ -48,9 +53,29 @@ from vllm.logger import init_logger  # noqa: E402
 from torch_xla_ext import checks  # noqa: E402
 from vllm.platforms.tpu import TpuPlatform  # noqa: E402
 
-logger = init_logger(__name__)
+# Under vLLM's logger hierarchy, whose handler prints INFO (a logger of our package's own name
+# would print nothing below WARNING).
+logger = init_logger("vllm.platforms.xla")
 
 WORKER = "torch_xla_ext.vllm_platform.worker.XlaWorker"
+
+
+def _shut_down_before_exit():
+    """Each engine client, once it watches its engine processes, registers its own shutdown
+    (the finalizer vLLM runs at exit anyway) as an exit handler: registered after
+    multiprocessing's, it runs first, so the engine is shut down, not found dead."""
+    from vllm.v1.engine import core_client
+
+    watch = core_client.MPClient.start_engine_core_monitor
+    if getattr(watch, "shuts_down_before_exit", False):
+        return
+
+    def start_engine_core_monitor(self):
+        watch(self)
+        atexit.register(self.resources)
+
+    start_engine_core_monitor.shuts_down_before_exit = True
+    core_client.MPClient.start_engine_core_monitor = start_engine_core_monitor
 
 
 def unsupported_sampling_fields(params):
@@ -87,6 +112,7 @@ class XlaPlatform(TpuPlatform):
         from torch_xla_ext.vllm_platform import kv_cache_update
 
         kv_cache_update.serve()  # TpuPlatform's check imports the Pallas backend
+        _shut_down_before_exit()
         super().check_and_update_config(vllm_config)
         if dtype is not None and model_config.dtype != dtype:
             logger.info("XLA platform: keeping dtype %s (TpuPlatform's is bfloat16)", dtype)
