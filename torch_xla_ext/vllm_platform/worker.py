@@ -10,6 +10,9 @@ The worker differs from TPUWorker in:
   enough for max_num_seqs sequences of max_model_len tokens; on a GPU, TPUWorker's (a profile
   run, then the device's memory statistics).
 
+- the model runner (XlaModelRunner) makes the KV cache on the device: vLLM's TPU runner makes
+  it with torch.zeros on the host, then moves it, and a cache sized from a GPU's free memory
+  (0.9 of an H200's 141 GB) outgrew the host's memory and the engine process was killed;
 - the head size stays unpadded where our kernels take it as it is: vLLM's Pallas backend pads
   every head to a multiple of 128 (a TPU's lanes), so head size 64 ran as 128 with zeros, its
   cache twice the size; for a head size our ragged attention takes (its contract's head_dim)
@@ -33,6 +36,7 @@ from torch_xla_ext.vllm_platform import kv_cache_update, xla_platform  # noqa: F
 
 kv_cache_update.serve()  # before TPUWorker's import of the model runner imports pallas.py
 
+import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 import vllm.envs as envs  # noqa: E402
@@ -64,6 +68,16 @@ def _unpadded_heads(model_config):
         pallas.TPU_HEAD_SIZE_ALIGNMENT = tpu_worker.TPU_HEAD_SIZE_ALIGNMENT = head_size
 
 
+class XlaModelRunner(TPUModelRunner):
+
+    def initialize_kv_cache(self, kv_cache_config):
+        # torch.zeros without a device, inside, makes each layer's cache on this device; the
+        # sync makes the caches device buffers before the first step.
+        with torch.device(self.device):
+            super().initialize_kv_cache(kv_cache_config)
+        torch_xla.sync()
+
+
 class XlaWorker(TPUWorker):
 
     def init_device(self):
@@ -84,7 +98,7 @@ class XlaWorker(TPUWorker):
             xr.initialize_cache(os.path.join(
                 envs.VLLM_XLA_CACHE_PATH, f"{xr.device_type()}_tp"
                 f"{self.parallel_config.world_size}_rank{xr.global_ordinal()}"), readonly=False)
-        self.model_runner = TPUModelRunner(self.vllm_config, self.device,
+        self.model_runner = XlaModelRunner(self.vllm_config, self.device,
                                            self.original_parallel_config)
 
     def determine_available_memory(self):
