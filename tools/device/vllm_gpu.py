@@ -26,9 +26,10 @@ MAX_TOKENS = 16
 PROMPT_LENS = (5, 17, 40, 9)
 LIMITS = {"tiny": dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64),
           "1b": dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256)}
-# vLLM's TPU model runner makes the KV cache with torch.zeros on the host, then moves it: sized
-# from the GPU's free memory (0.9 of 141 GB) it outgrows the host's and the engine process is
-# killed. The runs here give vLLM a cache size.
+# vLLM's TPU model runner made the KV cache with torch.zeros on the host, then moved it: sized
+# from the GPU's free memory (0.9 of 141 GB) it outgrew the host's and the engine process was
+# killed. Our worker's model runner now makes it on the device (vllm_platform/worker.py), not
+# yet run on a GPU; until it has, these runs give vLLM a cache size.
 KV_CACHE_BYTES = 4 << 30
 
 
