@@ -406,11 +406,21 @@ def gpu_custom_call(inputs, payload, output_shapes, output_dtypes, target=LEGACY
                        api_version=api_version)
 
 
+# torch_xla's own `_xla_custom_call`, kept by install_torch_xla_entry_points.
+_torch_xla_own_custom_call = None
+
+
 def torch_xla_custom_call(inputs, target, output_shapes, output_dtypes, has_side_effect=False,
                           backend_config="", api_version=API_VERSION_TYPED_FFI,
                           frontend_attributes=None):
     """torch_xla's `_xla_custom_call`, same arguments (positional as torch_xla's), through
-    `custom_call`: each call its own executable, checked at the call."""
+    `custom_call`: each call its own executable, checked at the call. api_version 0 (what
+    torch_xla's own stablehlo_custom_call uses for targets XLA's compiler handles itself, such
+    as "annotate_device_placement") goes to torch_xla's own, as before."""
+    if api_version not in API_VERSIONS:
+        return _torch_xla_own_custom_call(inputs, target, output_shapes, output_dtypes,
+                                          has_side_effect, backend_config, api_version,
+                                          frontend_attributes or {})
     return custom_call(inputs, target, output_shapes, output_dtypes,
                        has_side_effect=has_side_effect, backend_config=backend_config,
                        api_version=api_version, frontend_attributes=frontend_attributes)
@@ -427,8 +437,11 @@ def register_custom_call_target(name, function, platform, api_version=None):
 def install_torch_xla_entry_points():
     """Puts `gpu_custom_call`, `torch_xla_custom_call` and `register_custom_call_target` where
     torch_xla users call them."""
+    global _torch_xla_own_custom_call
     from torch_xla import _XLAC
 
+    if _XLAC._xla_custom_call is not torch_xla_custom_call:
+        _torch_xla_own_custom_call = _XLAC._xla_custom_call
     _XLAC._xla_gpu_custom_call = gpu_custom_call
     _XLAC._xla_custom_call = torch_xla_custom_call
     _XLAC._xla_register_custom_call_target = register_custom_call_target

@@ -230,3 +230,19 @@ def test_user_kernel_through_gpu_custom_call(xla_device, user_kernel_library):
     rows = {(r["target"], r["platform"]): r["registered_in"]
             for r in torch_xla_ext.binders.registrations()}
     assert "torch_xla" in rows[("user.scale", "Host")]
+
+
+def test_torch_xla_own_stablehlo_custom_call_keeps_working(xla_device):
+    """torch_xla's stablehlo_custom_call (host offloading, StableHLO export) calls
+    `_xla_custom_call` with api_version 0 for targets XLA's compiler handles itself: that still
+    goes to torch_xla's own call."""
+    import torch_xla
+    from torch_xla.experimental.stablehlo_custom_call import stablehlo_custom_call
+
+    a = torch.ones(3, device=xla_device)
+    out = stablehlo_custom_call([a], "annotate_device_placement", [a.shape], [a.dtype],
+                                has_side_effect=True,
+                                frontend_attributes={"_xla_buffer_placement": "device"})
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([out])
+    assert 'custom_call_target="annotate_device_placement"' in hlo
+    assert "_xla_buffer_placement" in hlo
