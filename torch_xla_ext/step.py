@@ -28,6 +28,14 @@ inside torch_xla's C++ that do not go through those kernels (`torch.equal`, a CP
 `copy_` from an XLA one). A tensor left pending on a graph that failed (a read that computes a
 value from it, like `.item()`, leaves it pending, as torch_xla does) fails again in any later
 sync that includes it: let it go.
+
+A tensor whose buffer the failed graph was to produce, or was to update in place (a donated
+cache), holds no buffer afterwards, and torch_xla aborts the process when it is read
+("PjRt buffer is null") or crashes when a later graph takes it as an input. Once a failure has
+been raised in the process, the read hooks and `_xla_sync_multi` first look at the buffers the
+read or graph would use (`_refuse_lost_buffers`), and one that holds none raises
+TorchXlaExtError naming the failure that lost it. Not covered: `xm.mark_step()` over pending
+work that uses such a tensor (it takes every live tensor, whose inputs are not looked at).
 """
 
 import contextlib
@@ -46,6 +54,7 @@ _torch_xla_sync_multi = None  # torch_xla's own _xla_sync_multi: takes the lock,
 _sync_multi = None  # and wrapped by _launch_reporting_once
 _get_cpu_tensors = None  # torch_xla's _xla_get_cpu_tensors, wrapped by _read_reporting_once
 _lock_anchors = {}  # XLA device -> a scalar held as device data on it
+_last_failure = None  # the message of the last failure raised, once there was one
 
 
 def _xla_device(values):
@@ -77,6 +86,28 @@ def _take_device_lock(device):
     return None
 
 
+def _refuse_lost_buffers(tensors):
+    """After a failure: raises if a graph computing `tensors` (or reading them) would use a
+    buffer that a failed graph left empty, dropping the copy of a failure the device lock may
+    hold (as a read that raises does)."""
+    if _last_failure is None:
+        return
+    import torch_xla
+
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    if not tensors:
+        return
+    _, inputs = torch_xla._XLAC._get_tensors_xla_device_data_node(tensors)
+    if any("Data Handle: None" in torch_xla._XLAC._get_xla_tensor_debug_info(t)
+           for t in inputs):
+        error = TorchXlaExtError(
+            "a tensor this needs holds no value: a graph that was to compute it, or update it "
+            f"in place (a KV cache), failed ({_last_failure}). Make it again (copy a cache from "
+            "its source) before using it.")
+        _drop_stored_copy(error, tensors[0].device)
+        raise error
+
+
 def _drop_stored_copy(error, device):
     """After `error` reached the caller, drops the copy of it that torch_xla keeps in the
     device lock, and returns what it took (None: nothing was stored). A different stored
@@ -88,12 +119,19 @@ def _drop_stored_copy(error, device):
     return stored
 
 
+def _remember(error):
+    global _last_failure
+    _last_failure = str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def _read_reporting_once(read):
     @functools.wraps(read)
     def call(*args, **kwargs):
+        _refuse_lost_buffers(args[0] if args else [])
         try:
             return read(*args, **kwargs)
         except RuntimeError as error:
+            _remember(error)
             device = _xla_device(args)
             if device is not None:
                 _drop_stored_copy(error, device)
@@ -101,7 +139,7 @@ def _read_reporting_once(read):
     return call
 
 
-def _launch_reporting_once(launch, device_of):
+def _launch_reporting_once(launch, device_of, tensors_of):
     @functools.wraps(launch)
     def call(*args, **kwargs):
         device = device_of(args, kwargs)
@@ -109,14 +147,17 @@ def _launch_reporting_once(launch, device_of):
             return launch(*args, **kwargs)
         earlier = _take_device_lock(device)
         if earlier is not None:
+            _remember(earlier)
             earlier.add_note(
                 "The failure of a graph launched earlier without waiting for it "
                 "(torch_xla.sync()), raised before this call ran anything: that graph's "
                 "results hold no value; this call's own tensors are as they were.")
             raise earlier
+        _refuse_lost_buffers(tensors_of(args, kwargs))
         try:
             return launch(*args, **kwargs)
         except RuntimeError as error:
+            _remember(error)
             _drop_stored_copy(error, device)
             raise
     return call
@@ -127,8 +168,12 @@ def _step_marker_device(args, kwargs):
     return torch.device(device) if device else _default_device()
 
 
+def _sync_multi_tensors(args, kwargs):
+    return args[0] if args else kwargs.get("tensors", [])
+
+
 def _sync_multi_device(args, kwargs):
-    return _xla_device([args[0] if args else kwargs.get("tensors", [])])
+    return _xla_device([_sync_multi_tensors(args, kwargs)])
 
 
 # The read kernels wait and transfer through _xla_sync_multi and _xla_get_cpu_tensors, which let
@@ -158,11 +203,13 @@ def install_failure_hooks():
     from torch_xla import _XLAC
 
     _torch_xla_sync_multi = _XLAC._xla_sync_multi
-    _sync_multi = _launch_reporting_once(_XLAC._xla_sync_multi, _sync_multi_device)
+    _sync_multi = _launch_reporting_once(_XLAC._xla_sync_multi, _sync_multi_device,
+                                         _sync_multi_tensors)
     _get_cpu_tensors = _read_reporting_once(_XLAC._xla_get_cpu_tensors)
     _XLAC._xla_sync_multi = _sync_multi
     _XLAC._xla_get_cpu_tensors = _get_cpu_tensors
-    _XLAC._xla_step_marker = _launch_reporting_once(_XLAC._xla_step_marker, _step_marker_device)
+    _XLAC._xla_step_marker = _launch_reporting_once(_XLAC._xla_step_marker, _step_marker_device,
+                                                    lambda args, kwargs: [])
     library = torch.library.Library("aten", "IMPL")
     to_copy = _to_copy_kernel(torch.library.get_kernel("aten::_to_copy", "XLA"))
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
@@ -180,6 +227,7 @@ def failures_reported():
     try:
         yield
     except RuntimeError as e:
+        _remember(e)
         _drop_stored_copy(e, _default_device())
         raise TorchXlaExtError(f"{STEP_FAILED}{e}") from e
 

@@ -213,3 +213,47 @@ def test_reads_to_the_host_keep_dtype_and_values(xla_device):
     assert on_device[1, 2].item() == x[1, 2].item()
     assert on_device.tolist() == x.tolist()
     assert torch.equal(torch.nonzero(on_device > 0).cpu(), torch.nonzero(x > 0))
+
+
+_LOST_CACHE = """
+import sys, torch, torch_xla, torch_xla_ext
+dev = torch_xla.device()
+base = torch.randn(4, 16, 4, 64)                     # 64 slots
+cache = base.clone().to(dev)
+k = torch.randn(2, 2, 64).to(dev)
+slots = torch.tensor([0, 98], dtype=torch.int32).to(dev) + 1   # computed on the device: 99
+torch.ops.xla_ext.kv_cache_update(k, k, cache, slots)
+try:
+    cache.cpu()
+except Exception as e:
+    print("first:", type(e).__name__, str(e).splitlines()[0])
+use = {"read": lambda: cache.cpu(), "equal": lambda: torch.equal(cache.cpu(), base),
+       "new graph": lambda: (cache * 2 + 1).sum().item()}[sys.argv[1]]
+try:
+    use()
+    print("then: no error")
+except torch_xla_ext.TorchXlaExtError as e:
+    print("then:", str(e))
+print("next:", (torch.ones(3, device=dev) * 2).cpu().tolist())
+"""
+
+
+@pytest.mark.parametrize("use", ["read", "equal", "new graph"])
+def test_a_cache_a_failed_graph_left_empty_raises_naming_the_failure(use):
+    """The issue's repro: the cache the failed graph was to update in place holds no buffer.
+    Read again, compared, or used in a new graph, it raises a clear error naming the failure
+    (torch_xla alone aborts the process, or crashes it), and the next graph runs. Each case
+    in its own process, so that a crash fails the test instead of the run."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _LOST_CACHE, use], capture_output=True,
+                            text=True, timeout=300,
+                            env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("first:") and "slot_mapping[1] = 99" in line for line in lines)
+    then, = [line for line in lines if line.startswith("then:")]
+    assert "holds no value" in then and "slot_mapping[1] = 99" in then, then
+    assert lines[-1] == "next: [2.0, 2.0, 2.0]"
