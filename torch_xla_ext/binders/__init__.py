@@ -64,14 +64,13 @@ def add_target(target):
 
 
 def has_target(name, platform, kind):
-    """Whether a torch_xla runtime running `platform` has a function of `kind`
-    (LEGACY or TYPED_FFI) under `name`, from a library or a user's registration, or (legacy
-    functions on the CPU) registered into XLA by other code."""
+    """Whether a torch_xla runtime running `platform` has a function of `kind` (LEGACY or
+    TYPED_FFI) under `name` that no user registered through custom_call_targets (whose own
+    record its callers read first): a loaded library's typed handler, or a legacy function
+    registered into the CPU's XLA by other code."""
     with _lock:
         runtimes = [r for r in _runtimes.values()
                     if getattr(r, "platform", None) == platform and hasattr(r, "register_target")]
-        if any(t.name == name and t.platform == platform and t.kind == kind for t in _targets):
-            return True
         if kind == TYPED_FFI:
             where = _registered.get((name, platform), [])
             return any(r.name in where for r in runtimes)

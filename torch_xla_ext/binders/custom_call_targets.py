@@ -213,8 +213,3 @@ def default_api_version(name):
     if target is not None:
         return TYPED_FFI_API_VERSION if target.kind == TYPED_FFI else 2
     return TYPED_FFI_API_VERSION if binders.has_target(name, platform, TYPED_FFI) else 2
-
-
-def targets():
-    with _lock:
-        return list(_targets.values())

@@ -15,13 +15,13 @@ TPUs: torch_xla_ops.py), XLA sampling. What differs:
   backend picks 256, and ours take 8-128 (their contract), so the largest of those under it;
 - sampling fields that vLLM's XLA sampler ignores are refused at the request, each by name
   (unsupported_sampling_fields), instead of returning plain greedy tokens;
-- a prompt's token ids are checked against the model's vocabulary;
+- a prompt's token ids are checked against the model's vocabulary. vLLM checks them only
+  against a tokenizer, and with `skip_tokenizer_init` has none; an XLA gather clamps an index
+  out of range, so such a prompt would run on the wrong embeddings instead of failing;
 - at the exit of a process that made an engine, the engine client shuts down before
   multiprocessing's exit handler terminates the engine process (_shut_down_before_exit):
   otherwise vLLM's monitor thread sees the engine die and logs "Engine core proc ... died
-  unexpectedly" (an ERROR) for a clean exit. vLLM checks them only
-  against a tokenizer, and with `skip_tokenizer_init` has none; an XLA gather clamps an index
-  out of range, so such a prompt would run on the wrong embeddings instead of failing.
+  unexpectedly" (an ERROR) for a clean exit.
 """
 
 import atexit
