@@ -107,10 +107,41 @@ class CudaPlugin(plugins.DevicePlugin):
         # torch_xla calls this after loading and initializing the plugin, before it creates
         # the client: the first point where handlers can go into the plugin's registry.
         register_handlers()
-        return {}
+        return allocator_options(os.environ)
 
     def configure_single_process(self):
         pass
+
+
+# The client's allocator settings, read from the variables torch_xla's own CUDA plugin reads:
+# the share of each GPU's memory the client takes (XLA's default 0.75), and whether it takes it
+# all at start (default true).
+ALLOCATOR_VARIABLES = {"PJRT_ALLOCATOR_FRACTION": "memory_fraction",
+                       "PJRT_ALLOCATOR_PREALLOCATE": "preallocate"}
+
+
+def allocator_options(environ):
+    """The CUDA PJRT client's create options that `environ` sets (PJRT_ALLOCATOR_FRACTION, a
+    number in (0, 1]; PJRT_ALLOCATOR_PREALLOCATE, true/false or 1/0)."""
+    options = {}
+    fraction = environ.get("PJRT_ALLOCATOR_FRACTION")
+    if fraction:
+        try:
+            value = float(fraction)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value <= 1:
+            raise TorchXlaExtError(f"PJRT_ALLOCATOR_FRACTION: expected a number in (0, 1], "
+                                   f"got {fraction!r}")
+        options["memory_fraction"] = value
+    preallocate = environ.get("PJRT_ALLOCATOR_PREALLOCATE")
+    if preallocate:
+        words = {"1": True, "true": True, "0": False, "false": False}
+        if preallocate.lower() not in words:
+            raise TorchXlaExtError(f"PJRT_ALLOCATOR_PREALLOCATE: expected true, false, 1 or 0, "
+                                   f"got {preallocate!r}")
+        options["preallocate"] = words[preallocate.lower()]
+    return options
 
 
 def status():

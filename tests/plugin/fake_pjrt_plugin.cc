@@ -2,7 +2,8 @@
 // version 0.FAKE_PJRT_MINOR and of the 0.75 size (960 bytes) whose platform names read "cuda",
 // with an FFI extension (behind another extension) whose register_handler records its calls.
 // Client creation always fails with a message that counts the registrations made before it,
-// so torch_xla's own start-up shows whether they happened in time. Execute and
+// so torch_xla's own start-up shows whether they happened in time, and lists the create
+// options it was given (name=value, floats and bools only). Execute and
 // UpdateGlobalProcessInfo record the structs they were given, read in this version's layout
 // (from 0.76 on: PJRT_ExecuteOptions of 88 bytes, PJRT_ProcessInfo led by struct_size).
 //
@@ -134,10 +135,32 @@ PjrtError* PluginAttributes(PluginAttributesArgs* args) {
   return nullptr;
 }
 
-PjrtError* ClientCreate(void*) {
+// PJRT_Client_Create_Args: {struct_size, extension_start, create_options, num_options, ...};
+// each PJRT_NamedValue (56 bytes): {struct_size, extension_start, name, name_size, type (an
+// int: 3 float, 4 bool), its value at byte 40, value_size}.
+std::string CreateOptions(const unsigned char* args) {
+  constexpr size_t kNamedValueSize = 56;
+  const auto* options = Read<const unsigned char*>(args + 16);
+  const size_t count = Read<size_t>(args + 24);
+  std::string listed;
+  for (size_t i = 0; i < count; ++i) {
+    const unsigned char* option = options + i * kNamedValueSize;
+    listed += (listed.empty() ? "" : " ") +
+              std::string(Read<const char*>(option + 16), Read<size_t>(option + 24)) + "=";
+    switch (Read<int>(option + 32)) {
+      case 3: listed += std::to_string(Read<float>(option + 40)); break;
+      case 4: listed += Read<bool>(option + 40) ? "true" : "false"; break;
+      default: listed += "?";
+    }
+  }
+  return listed;
+}
+
+PjrtError* ClientCreate(const unsigned char* args) {
   constexpr int kUnimplemented = 12;
   return new PjrtError{"fake PJRT plugin: no devices; " + std::to_string(registrations.size()) +
-                           " handlers were registered before PJRT_Client_Create",
+                           " handlers were registered before PJRT_Client_Create; options: [" +
+                           CreateOptions(args) + "]",
                        kUnimplemented};
 }
 

@@ -1,7 +1,8 @@
 """The GPU plugin as torch_xla sees it, on CPU: the built wheel declares the `gpu` entry
 point and extra; with its metadata on the path, `import torch_xla` registers the plugin, and
 PJRT_DEVICE=GPU starts it through the shim around a fake CUDA plugin, registering our CUDA
-handlers before the client is created (the fake then refuses to create one), or raises our
+handlers before the client is created (the fake then refuses to create one, listing the create
+options it got: the allocator's, from torch_xla's PJRT_ALLOCATOR_* variables), or raises our
 error for a plugin of another PJRT version."""
 
 import glob
@@ -11,9 +12,11 @@ import sys
 import textwrap
 import zipfile
 
+import pytest
 from elftools.elf.elffile import ELFFile
 
 from torch_xla_ext import _kernels, plugin
+from torch_xla_ext.errors import TorchXlaExtError
 
 WHEEL = glob.glob("torch_xla_ext-*.whl")
 DIST_INFO = "torch_xla_ext-0.1.0.dist-info"
@@ -84,6 +87,25 @@ def test_torch_xla_starts_the_plugin_and_our_handlers_are_registered_first(tmp_p
             in output), output[-3000:]
     assert "active: True" in output, output[-3000:]
     assert "XlaGpuSimpleAdd on CUDA in torch_xla_gpu: [True]" in output, output[-3000:]
+    assert "PJRT_Client_Create; options: []" in output, output[-3000:]
+
+
+def test_the_allocator_variables_torch_xla_reads_reach_the_plugin(tmp_path):
+    output = start_torch_xla_on_gpu(tmp_path, TORCH_XLA_EXT_PJRT_PLUGIN=FAKE_PLUGIN,
+                                    PJRT_ALLOCATOR_FRACTION="0.5",
+                                    PJRT_ALLOCATOR_PREALLOCATE="false")
+    assert "options: [memory_fraction=0.500000 preallocate=false]" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("PJRT_ALLOCATOR_FRACTION", "1.5", "a number in (0, 1]"),
+    ("PJRT_ALLOCATOR_FRACTION", "most", "a number in (0, 1]"),
+    ("PJRT_ALLOCATOR_PREALLOCATE", "yes", "true, false, 1 or 0"),
+])
+def test_a_bad_allocator_variable_is_refused_by_name(variable, value, expected):
+    with pytest.raises(TorchXlaExtError) as raised:
+        plugin.allocator_options({variable: value})
+    assert str(raised.value) == f"{variable}: expected {expected}, got {value!r}"
 
 
 def test_torch_xla_raises_our_error_for_a_plugin_of_another_pjrt_version(tmp_path):
