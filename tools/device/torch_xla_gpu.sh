@@ -19,12 +19,15 @@
 #              the staged wheel's entry points import torch_xla_ext) with the user's CUDA
 #              kernel built by nvcc, at api_version 1, 2, 3, and a typed FFI handler by
 #              capsule at 4 -> $OUT/$GPU-torch-xla-legacy.txt (proof runs it too)
-#            vllm: (staged with `stage --vllm`) vLLM 0.13's LLM through torch_xla_ext.vllm_platform
-#              with PJRT_DEVICE=GPU: tools/device/vllm_gpu.py on a tiny float32 checkpoint
-#              (against transformers) and the 1B-class one in bfloat16 (against our Engine's
-#              torch_xla backend), VLLM_MODELS picks -> $OUT/$GPU-vllm.json
+#            vllm: (staged with `stage --vllm`) vLLM 0.13 through torch_xla_ext.vllm_platform
+#              with PJRT_DEVICE=GPU: tools/device/vllm_gpu.py's phases (VLLM_PHASES, default
+#              check,serve,speed; each fits a call of its own): `LLM` on a tiny float32
+#              checkpoint against transformers and the 1B-class one in bfloat16 against our
+#              Engine (VLLM_MODELS picks), `vllm serve` under load, and the 1B model's step
+#              times and startup -> $OUT/$GPU-vllm.json
 #            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
-#              through torchax, in one lease -> $OUT/$GPU-serving-torch-xla.json (both runs);
+#              through torchax beside transformers + torch.compile, in one lease (modes async
+#              and runs) -> $OUT/$GPU-serving-torch-xla.json (both runs);
 #              bench/torch_xla_step_profile.py -> $OUT/$GPU-torch-xla-step-profile.txt
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -107,9 +110,11 @@ if [[ $PHASE == legacy ]]; then
   legacy_flow
 elif [[ $PHASE == vllm ]]; then
   step "vLLM, PJRT_DEVICE=GPU, staged torch_xla and vLLM: tools/device/vllm_gpu.py"
-  timeout 570 "${STAGED[@]}" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 python3 tools/device/vllm_gpu.py \
+  timeout "${VLLM_TIMEOUT:-570}" "${STAGED[@]}" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+    python3 tools/device/vllm_gpu.py --phases "${VLLM_PHASES:-check,serve,speed}" \
     --models "${VLLM_MODELS:-tiny,1b}" --out "$OUT/$GPU-vllm.json" > /tmp/vllm-gpu-full.txt 2>&1 || status=1
   grep -E "^(PASS|FAIL)|Error" /tmp/vllm-gpu-full.txt | tail -20 | tee -a "$LOG"
+  cp /tmp/vllm-gpu-full.txt "$OUT/$GPU-vllm-log.txt"
 elif [[ $PHASE == proof ]]; then
   legacy_flow
   step "check, PJRT_DEVICE=GPU, staged torch_xla: tools/device/torch_xla_gpu_proof.py check"
@@ -127,18 +132,24 @@ elif [[ $PHASE == proof ]]; then
     --out "$OUT/$GPU-torch-xla-gpu.json" 2>&1 | grep -E "^(PASS|FAIL|wrote)|Error" | tee -a "$LOG"
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 else
-  SERVING=(bench/serving_bench.py --impls ours --batches 1,16,64 --profile-steps 0)
-  step "serving, PJRT_DEVICE=GPU, staged torch_xla: ${SERVING[*]} --backend torch_xla"
-  timeout 420 "${STAGED[@]}" python3 "${SERVING[@]}" --backend torch_xla --device cpu \
-    --out /tmp/serving-torch-xla.json 2>&1 | grep -E "^serving|engine:|Error" | tee -a "$LOG" || status=1
-  step "where a torch_xla step's host time goes: bench/torch_xla_step_profile.py"
-  timeout 300 "${STAGED[@]}" python3 bench/torch_xla_step_profile.py \
-    > "$OUT/$GPU-torch-xla-step-profile.txt" 2>&1 || status=1
-  head -1 "$OUT/$GPU-torch-xla-step-profile.txt" | tee -a "$LOG"
-  build_torch_extension env
-  step "serving, the machine's JAX: ${SERVING[*]} --backend torchax"
-  timeout 300 "${MACHINE[@]}" python3 "${SERVING[@]}" --backend torchax \
-    --out /tmp/serving-torchax.json 2>&1 | grep -E "^serving|engine:|copy|Error" | tee -a "$LOG" || status=1
+  # BENCH_BACKENDS=torch_xla, then =torchax in the next call of the lease, when both do not
+  # fit one call: the second writes the record of both.
+  SERVING=(bench/serving_bench.py --batches 1,16,64 --modes async,runs --profile-steps 0)
+  if [[ ${BENCH_BACKENDS:-torch_xla,torchax} == *torch_xla* ]]; then
+    step "serving, PJRT_DEVICE=GPU, staged torch_xla: ${SERVING[*]} --impls ours --backend torch_xla"
+    timeout 420 "${STAGED[@]}" python3 "${SERVING[@]}" --impls ours --backend torch_xla --device cpu \
+      --out /tmp/serving-torch-xla.json 2>&1 | grep -E "^serving|engine:|Error" | tee -a "$LOG" || status=1
+    step "where a torch_xla step's host time goes: bench/torch_xla_step_profile.py"
+    timeout 300 "${STAGED[@]}" python3 bench/torch_xla_step_profile.py \
+      > "$OUT/$GPU-torch-xla-step-profile.txt" 2>&1 || status=1
+    head -1 "$OUT/$GPU-torch-xla-step-profile.txt" | tee -a "$LOG"
+  fi
+  if [[ ${BENCH_BACKENDS:-torch_xla,torchax} == *torchax* ]]; then
+    build_torch_extension env
+    step "serving, the machine's torch and JAX: ${SERVING[*]} --impls ours,hf_compile --backend torchax"
+    timeout 420 "${MACHINE[@]}" python3 "${SERVING[@]}" --impls ours,hf_compile --backend torchax \
+      --out /tmp/serving-torchax.json 2>&1 | grep -E "^serving|engine:|copy|Error" | tee -a "$LOG" || status=1
+  fi
   python3 - "$OUT/$GPU-serving-torch-xla.json" /tmp/serving-torch-xla.json /tmp/serving-torchax.json <<'EOF'
 import json, sys
 runs = {}

@@ -1,22 +1,33 @@
-"""vLLM 0.13's own engine generating through XLA and torch_xla_ext's kernels, on a GPU
-(PJRT_DEVICE=GPU) or on the CPU: `tools/device/torch_xla_gpu.sh run vllm` runs it on the GPU
+"""vLLM 0.13's own engine and server through XLA and torch_xla_ext's kernels, on a GPU
+(PJRT_DEVICE=GPU) or the CPU: `tools/device/torch_xla_gpu.sh run vllm` runs it on the GPU
 machine, in the staged torch_xla + vLLM tree (torch_xla_closure.py stage --vllm).
 
-    python3 tools/device/vllm_gpu.py --out FILE [--models tiny,1b]
+    python3 tools/device/vllm_gpu.py --out FILE [--phases check,serve,speed] [--models tiny,1b]
+    python3 tools/device/vllm_gpu.py --out FILE --combine PHASE_FILE... --serving SERVING_FILE...
 
-Each model is a random-weight Llama saved with save_pretrained, as a user's checkpoint:
-- tiny: float32 (hf.TINY); vLLM's greedy tokens against transformers' greedy generate;
-- 1b: the serving benchmark's 1B-class config in bfloat16; vLLM's greedy tokens against our
-  Engine's (backend torch_xla) on the same device, each in its own process, with the first
-  divergence where they differ.
-vLLM and the Engine each run in a process of their own (each takes the device's memory), and
-the record holds, per model, the tokens, whether they agree, vLLM's start time (process start
-to its first token, every compile included), its KV cache (blocks, shape), and errors.
+The models are random-weight Llamas saved with save_pretrained, as a user's checkpoint: tiny
+(hf.TINY, float32) and 1b (the serving benchmark's 1B-class config, bfloat16). vLLM keeps its
+memory defaults: the KV cache is sized from the device's memory and gpu_memory_utilization.
+Every run is a process of its own (each takes the device's memory). Each phase adds its part
+to the record in FILE:
+
+- check: greedy tokens of `LLM(...).generate`: tiny's against transformers', 1b's against our
+  Engine's (torch_xla backend) on the same device, with the first divergence and vLLM's margin
+  there (its top-1 minus top-2 logprob);
+- serve: `vllm serve` on tiny with --skip-tokenizer-init, on loopback, checked by
+  bench/vllm_serve_load.check_server (solo, streamed, 64 at once, bad requests, disconnects),
+  the tokens also against transformers';
+- speed: 1b with up to 64 sequences and 2k-token prompts, as bench/serving_bench.py runs our
+  Engine: wall time per decode step at B = 1, 16 and 64, and per step of its mixed batch (48
+  decodes at 2k beside 16 new 2k-token prompts prefilled in 512-token chunks), each the mean
+  over steps of LLMEngine.step(); startup (process start to the first token, every compile
+  included) cold, then again with the persistent compilation cache that start wrote.
 """
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,18 +37,16 @@ MAX_TOKENS = 16
 PROMPT_LENS = (5, 17, 40, 9)
 LIMITS = {"tiny": dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64),
           "1b": dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256)}
-# vLLM's TPU model runner made the KV cache with torch.zeros on the host, then moved it: sized
-# from the GPU's free memory (0.9 of 141 GB) it outgrew the host's and the engine process was
-# killed. Our worker's model runner now makes it on the device (vllm_platform/worker.py), not
-# yet run on a GPU; until it has, these runs give vLLM a cache size.
-KV_CACHE_BYTES = 4 << 30
-
-
-def _prompts(vocab_size):
-    import torch
-
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+# The serve phase: long enough requests that a client leaving mid-stream is seen as an abort.
+SERVE_LIMITS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128)
+# The speed phase: serving_bench's shape (2k contexts, up to 64 sequences, 512-token chunks).
+SPEED_LIMITS = dict(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512)
+CONTEXT, WARMUP, STEPS = 2048, 5, 30
+BATCHES = (1, 16, 64)
+# VLLM_GPU_SMOKE=1: the speed phase's code on tiny with short prompts, for a run on the CPU.
+if os.environ.get("VLLM_GPU_SMOKE") == "1":
+    SPEED_LIMITS, CONTEXT, STEPS = dict(SPEED_LIMITS, max_model_len=128), 48, 8
+MIXED_DECODES, MIXED_PREFILLS = 48, 16
 
 
 def _config(model):
@@ -46,44 +55,81 @@ def _config(model):
     return {"tiny": hf.TINY, "1b": hf.LLAMA_1B}[model]
 
 
+def _dtype(model):
+    return "float32" if model == "tiny" else "bfloat16"
+
+
+def _prompts(vocab_size, lens=PROMPT_LENS, seed=7):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
 def save_checkpoint(model, directory):
     import torch
 
     from torch_xla_ext.serving import hf
 
-    dtype = torch.float32 if model == "tiny" else torch.bfloat16
+    dtype = getattr(torch, _dtype(model))
     llama = hf.random_model(_config(model), seed=0, dtype=dtype)
     llama.config.torch_dtype = dtype
     llama.save_pretrained(directory)
-    return llama
+
+
+def _since_start():
+    """Seconds since the parent started this process (VLLM_GPU_T0)."""
+    return round(time.time() - float(os.environ["VLLM_GPU_T0"]), 1)
+
+
+# VLLM_GPU_KV_BYTES: the KV cache's size (kv_cache_memory_bytes) instead of vLLM's sizing.
+KV_BYTES = {"kv_cache_memory_bytes": int(os.environ["VLLM_GPU_KV_BYTES"])} \
+    if os.environ.get("VLLM_GPU_KV_BYTES") else {}
+
+
+def _llm(model, directory, **limits):
+    from vllm import LLM
+
+    return LLM(model=directory, dtype=_dtype(model), skip_tokenizer_init=True, **KV_BYTES,
+               **limits)
+
+
+def _greedy(max_tokens, **fields):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **fields)
+
+
+def _cache(llm, model):
+    config = llm.llm_engine.vllm_config
+    cache, model_config = config.cache_config, config.model_config
+    # vLLM's TPU layout, one per layer: [blocks, block_size, 2 x kv heads (K, V interleaved),
+    # head size]; our worker keeps the head size unpadded where our kernels take it.
+    shape = [cache.num_gpu_blocks, cache.block_size,
+             2 * model_config.get_num_kv_heads(config.parallel_config),
+             model_config.get_head_size()]
+    return {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+            "layer_cache_shape": shape, "gpu_memory_utilization": cache.gpu_memory_utilization}
 
 
 def run_vllm(model, directory):
-    """In this process: vLLM's LLM on the checkpoint; its tokens and what it chose."""
-    started = time.time()
-    from vllm import LLM, SamplingParams
+    """In this process: vLLM's LLM on the checkpoint; its greedy tokens with the top-2 logprobs
+    of each, start time and cache."""
     from vllm.platforms import current_platform
 
-    dtype = "float32" if model == "tiny" else "bfloat16"
-    llm = LLM(model=directory, dtype=dtype, skip_tokenizer_init=True,
-              kv_cache_memory_bytes=KV_CACHE_BYTES, **LIMITS[model])
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = _llm(model, directory, **LIMITS[model])
     prompts = _prompts(_config(model)["vocab_size"])
-    first = llm.generate([{"prompt_token_ids": prompts[0]}],
-                         SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    start_s = time.time() - started
-    tic = time.time()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    generate_s = time.time() - tic
-    cache = llm.llm_engine.vllm_config.cache_config
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], _greedy(1))
+    start_s = _since_start()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(MAX_TOKENS, logprobs=2))
     return {"platform": type(current_platform).__qualname__,
             "device": current_platform.get_device_name(),
             "first_token": list(first[0].outputs[0].token_ids),
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-            "start_to_first_token_s": round(start_s, 1),
-            "generate_s": round(generate_s, 2),
-            "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
-            "gpu_memory_utilization": cache.gpu_memory_utilization}
+            "top2_logprobs": [[sorted(([t, round(lp.logprob, 4)] for t, lp in step.items()),
+                                      key=lambda x: -x[1])[:2] for step in o.outputs[0].logprobs]
+                              for o in outputs],
+            "start_to_first_token_s": start_s, **_cache(llm, model)}
 
 
 def run_engine(model, directory):
@@ -93,7 +139,7 @@ def run_engine(model, directory):
 
     from torch_xla_ext.serving import Engine
 
-    dtype = torch.float32 if model == "tiny" else torch.bfloat16
+    dtype = getattr(torch, _dtype(model))
     llama = transformers.LlamaForCausalLM.from_pretrained(directory, torch_dtype=dtype).eval()
     engine = Engine(llama, backend="torch_xla", dtype=dtype, page_size=16, **LIMITS[model])
     return {"tokens": engine.generate(_prompts(_config(model)["vocab_size"]), MAX_TOKENS)}
@@ -111,11 +157,118 @@ def run_transformers(model, directory):
                        for p in _prompts(_config(model)["vocab_size"])]}
 
 
-def _child(what, model, directory, timeout):
-    """Runs one of run_vllm, run_engine, run_transformers in a process of its own."""
+def _step_until(engine, done):
+    """engine.step() until done(outputs) says so; per step its wall clock and the ids of the
+    requests that got tokens."""
+    steps = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps.append((time.perf_counter(), {o.request_id for o in outputs
+                                            if o.outputs and o.outputs[0].token_ids}))
+        if done(steps[-1][1]):
+            break
+    return steps
+
+
+def _mean_ms(times):
+    return round((times[-1] - times[0]) / (len(times) - 1) * 1e3, 3) if len(times) > 1 else None
+
+
+def _add(engine, name, prompts, params):
+    ids = [f"{name}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    return set(ids)
+
+
+def _decode_row(engine, vocab_size, batch):
+    """B requests of CONTEXT-token prompts prefilled, then WARMUP + STEPS decode steps: the
+    mean wall time of the timed steps, those in which every request got its next token."""
+    from vllm.sampling_params import RequestOutputKind
+
+    # The first request decodes while the others prefill: enough tokens that all of them are
+    # decoding for WARMUP + STEPS steps after the last prefill (decodes take the budget first).
+    prefill_steps = -(-batch * CONTEXT // (SPEED_LIMITS["max_num_batched_tokens"] - batch)) + 2
+    ids = _add(engine, f"decode{batch}", _prompts(vocab_size, [CONTEXT] * batch, seed=batch),
+               _greedy(prefill_steps + WARMUP + STEPS + 1, output_kind=RequestOutputKind.DELTA))
+    started, decode_steps = set(), []
+    for when, got in _step_until(engine, lambda got: False):
+        if started >= ids and got >= ids:
+            decode_steps.append(when)
+        started |= got
+    timed = decode_steps[WARMUP:WARMUP + STEPS]
+    return {"batch": batch, "context": CONTEXT, "steps": len(timed) - 1, "ms_per_step": _mean_ms(timed)}
+
+
+def _mixed_row(engine, vocab_size):
+    """MIXED_DECODES requests decoding at CONTEXT while MIXED_PREFILLS new CONTEXT-token
+    prompts are prefilled in chunks: the mean wall time of the steps that ran every decode."""
+    from vllm.sampling_params import RequestOutputKind
+
+    delta = RequestOutputKind.DELTA
+    decodes = _add(engine, "mixed-decode", _prompts(vocab_size, [CONTEXT] * MIXED_DECODES, seed=101),
+                   _greedy(1000, output_kind=delta))
+    started = set()
+
+    def decoding(got):
+        started.update(got)
+        return started >= decodes
+
+    _step_until(engine, decoding)
+    for _ in range(WARMUP):
+        engine.step()
+    prefills = _add(engine, "mixed-prefill", _prompts(vocab_size, [CONTEXT] * MIXED_PREFILLS, seed=102),
+                    _greedy(1, output_kind=delta))
+    prefilled = set()
+
+    def all_prefilled(got):
+        prefilled.update(got & prefills)
+        return prefilled >= prefills
+
+    steps = _step_until(engine, all_prefilled)
+    engine.abort_request(list(decodes))
+    while engine.has_unfinished_requests():
+        engine.step()
+    timed = [when for when, got in steps if got >= decodes][2:]
+    return {"decodes": MIXED_DECODES, "prefills": MIXED_PREFILLS, "context": CONTEXT,
+            "chunk_budget": SPEED_LIMITS["max_num_batched_tokens"], "steps": len(timed) - 1,
+            "ms_per_step": _mean_ms(timed)}
+
+
+def run_speed(model, directory):
+    """In this process: vLLM started cold (the persistent compilation cache empty), its first
+    token, then the decode rows and the mixed row."""
+    llm = _llm(model, directory, **SPEED_LIMITS)
+    vocab_size = _config(model)["vocab_size"]
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], _greedy(1))
+    record = {"start_to_first_token_s": _since_start(), **_cache(llm, model), **SPEED_LIMITS}
+    engine = llm.llm_engine
+    record["decode"] = [_decode_row(engine, vocab_size, batch) for batch in BATCHES]
+    record["mixed"] = _mixed_row(engine, vocab_size)
+    return record
+
+
+def run_restart(model, directory):
+    """In this process: vLLM started again, with the compilation cache the cold start wrote."""
+    llm = _llm(model, directory, **SPEED_LIMITS)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], _greedy(1))
+    return {"start_to_first_token_s": _since_start()}
+
+
+CHILDREN = {"vllm": run_vllm, "engine": run_engine, "transformers": run_transformers,
+            "speed": run_speed, "restart": run_restart}
+
+
+def _child(what, model, directory, timeout, **env):
+    """Runs one of CHILDREN in a process of its own."""
     tic = time.time()
-    result = subprocess.run([sys.executable, __file__, "--child", what, model, directory],
-                            capture_output=True, text=True, timeout=timeout)
+    try:
+        result = subprocess.run([sys.executable, __file__, "--child", what, model, directory],
+                                capture_output=True, text=True, timeout=timeout,
+                                env=dict(os.environ, VLLM_GPU_T0=str(tic), **env))
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"timed out after {timeout} s",
+                "stderr_tail": (e.stderr or b"").decode(errors="replace").splitlines()[-20:]}
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
         tail = [line for line in result.stderr.splitlines()
@@ -125,48 +278,190 @@ def _child(what, model, directory, timeout):
     return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": round(time.time() - tic, 1)}
 
 
-def _divergence(got, want):
+def _divergence(got, want, top2=None):
+    """The first (prompt, token) where two runs' tokens differ, with vLLM's top-1 minus top-2
+    logprob there when known."""
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
-            return {"prompt": i, "token": next(k for k, (x, y) in enumerate(zip(a + [None], b))
-                                               if x != y)}
+            k = next(k for k, (x, y) in enumerate(zip(a + [None], b)) if x != y)
+            where = {"prompt": i, "token": k, "vllm": a[k] if k < len(a) else None, "other": b[k]}
+            if top2 and k < len(top2[i]) and len(top2[i][k]) == 2:
+                where["vllm_top2_logprobs"] = top2[i][k]
+                where["vllm_margin"] = round(top2[i][k][0][1] - top2[i][k][1][1], 4)
+            return where
     return None
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=False)
-    parser.add_argument("--models", default="tiny,1b")
-    parser.add_argument("--work", default="/tmp/vllm_gpu")
-    parser.add_argument("--child", nargs=3, metavar=("WHAT", "MODEL", "DIR"))
-    args = parser.parse_args()
-    sys.path.append(ROOT)  # after PYTHONPATH, which may hold another build of the package
-    if args.child:
-        what, model, directory = args.child
-        fn = {"vllm": run_vllm, "engine": run_engine, "transformers": run_transformers}[what]
-        print("RESULT " + json.dumps(fn(model, directory)), flush=True)
-        return 0
-    record = {"pjrt_device": os.environ.get("PJRT_DEVICE"), "models": {}}
-    status = 0
-    for model in args.models.split(","):
-        directory = os.path.join(args.work, model)
-        if not os.path.exists(os.path.join(directory, "config.json")):
-            save_checkpoint(model, directory)
+def _checkpoint(work, model):
+    directory = os.path.join(work, model)
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        save_checkpoint(model, directory)
+    return directory
+
+
+def check(work, models):
+    results = {}
+    for model in models:
+        directory = _checkpoint(work, model)
         entry = {"vllm": _child("vllm", model, directory, 900)}
         reference = "transformers" if model == "tiny" else "engine"
         entry[reference] = _child(reference, model, directory, 900)
         got, want = entry["vllm"].get("tokens"), entry[reference].get("tokens")
-        entry["equal_to"] = reference
-        entry["equal"] = got is not None and got == want
-        entry["first_divergence"] = _divergence(got, want) if got and want else None
-        status |= not entry["equal"]
-        record["models"][model] = entry
-        print(f"{'PASS' if entry['equal'] else 'FAIL'} {model}: vLLM tokens "
-              f"{'==' if entry['equal'] else '!='} {reference}'s; vLLM start to first token "
-              f"{entry['vllm'].get('start_to_first_token_s')} s; blocks "
-              f"{entry['vllm'].get('num_gpu_blocks')}; errors "
-              f"{[k for k, v in entry.items() if isinstance(v, dict) and 'error' in v]}",
-              flush=True)
+        entry.update(equal_to=reference, equal=got is not None and got == want,
+                     first_divergence=_divergence(got, want, entry["vllm"].get("top2_logprobs"))
+                     if got and want else None)
+        results[model] = entry
+        print(f"{'PASS' if entry['equal'] else 'FAIL'} check {model}: vLLM tokens "
+              f"{'==' if entry['equal'] else '!='} {reference}'s; first divergence "
+              f"{entry['first_divergence']}; start to first token "
+              f"{entry['vllm'].get('start_to_first_token_s')} s; cache "
+              f"{entry['vllm'].get('layer_cache_shape')}", flush=True)
+    return results, all(e["equal"] for e in results.values())
+
+
+def serve(work):
+    """`vllm serve` on tiny, checked as its users use it."""
+    import requests
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import vllm_serve_load
+
+    model = "tiny"
+    directory = _checkpoint(work, model)
+    port = 8765
+    log_path = os.path.join(work, "serve.log")
+    tic = time.time()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", directory,
+             "--dtype", _dtype(model), "--skip-tokenizer-init", "--host", "127.0.0.1",
+             "--port", str(port), *[f"--{k.replace('_', '-')}={v}" for k, v in {**SERVE_LIMITS, **KV_BYTES}.items()]],
+            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    record = {}
+    try:
+        while server.poll() is None and time.time() - tic < 600:
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(1)
+        record["start_to_healthy_s"] = round(time.time() - tic, 1)
+        if server.poll() is not None:
+            record["error"] = f"vllm serve exited with {server.returncode}"
+        else:
+            vocab_size = _config(model)["vocab_size"]
+            record.update(vllm_serve_load.check_server(
+                url, directory, _prompts(vocab_size), vocab_size, SERVE_LIMITS["max_model_len"],
+                max_tokens=MAX_TOKENS))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    record["server_log"] = [line.rstrip()[-300:] for line in open(log_path)
+                            if "KV cache" in line or "ERROR" in line or "Error" in line][-20:]
+    reference = _child("transformers", model, directory, 300)
+    record["equal_to_transformers"] = (record.get("solo", {}).get("tokens") ==
+                                       reference.get("tokens"))
+    ok = record.get("ok", False) and record["equal_to_transformers"]
+    print(f"{'PASS' if ok else 'FAIL'} serve {model}: "
+          f"{ {k: v['ok'] for k, v in record.items() if isinstance(v, dict) and 'ok' in v} }; "
+          f"equal to transformers {record['equal_to_transformers']}; healthy after "
+          f"{record.get('start_to_healthy_s')} s; {record.get('error', '')}", flush=True)
+    return record, ok
+
+
+def speed(work):
+    model = "tiny" if os.environ.get("VLLM_GPU_SMOKE") == "1" else "1b"
+    directory = _checkpoint(work, model)
+    cache = os.path.join(work, "xla_cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    record = {"model": model, "cold": _child("speed", model, directory, 900,
+                                             VLLM_XLA_CACHE_PATH=cache)}
+    record["warm_start"] = _child("restart", model, directory, 600, VLLM_XLA_CACHE_PATH=cache)
+    cold = record["cold"]
+    ok = "error" not in cold and "error" not in record["warm_start"]
+    print(f"{'PASS' if ok else 'FAIL'} speed {model}: decode ms/step "
+          f"{[(r['batch'], r['ms_per_step']) for r in cold.get('decode', [])]}, mixed "
+          f"{cold.get('mixed', {}).get('ms_per_step')}; start to first token cold "
+          f"{cold.get('start_to_first_token_s')} s, warm "
+          f"{record['warm_start'].get('start_to_first_token_s')} s; "
+          f"{cold.get('error', '')}{record['warm_start'].get('error', '')}", flush=True)
+    return record, ok
+
+
+def _best_ms(rows, impl, shape):
+    times = [r["time_per_step_ms"] for r in rows if r["impl"] == impl and r["shape"] == shape
+             and r.get("time_per_step_ms")]
+    return min(times) if times else None
+
+
+def combine(parts, serving_runs):
+    """One record from the phases' records of one lease (each call's FILE) and the serving
+    benchmark's runs of the same lease (bench/serving_bench.py --out, per backend): vLLM's
+    speed rows beside our Engine's best row per shape and transformers + torch.compile's."""
+    record = {}
+    for path in parts:
+        with open(path) as f:
+            record.update(json.load(f))
+    rows = []
+    for path in serving_runs:
+        with open(path) as f:
+            rows += json.load(f)["rows"]
+    speed = record.get("speed", {}).get("cold", {})
+    shapes = [(f"B={r['batch']},context={r['context']}", r["ms_per_step"])
+              for r in speed.get("decode", [])]
+    if speed.get("mixed"):
+        shapes.append(("mixed", speed["mixed"]["ms_per_step"]))
+    compared = []
+    for shape, vllm_ms in shapes:
+        ours = {impl: _best_ms(rows, impl, shape if shape != "mixed" else
+                               next((r["shape"] for r in rows if r["op"] == "serving_mixed"), None))
+                for impl in ("xla_ext_torchax", "xla_ext_torch_xla", "hf_compile_reduce_overhead")}
+        engine_best = min((v for k, v in ours.items() if k.startswith("xla_ext") and v), default=None)
+        compared.append({"shape": shape, "vllm_ms": vllm_ms, **{f"{k}_ms": v for k, v in ours.items()},
+                         "vllm_over_engine_best": round(vllm_ms / engine_best, 2)
+                         if vllm_ms and engine_best else None})
+    record["compared"] = compared
+    return record
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out")
+    parser.add_argument("--phases", default="check,serve,speed")
+    parser.add_argument("--models", default="tiny,1b", help="the check phase's")
+    parser.add_argument("--work", default="/tmp/vllm_gpu")
+    parser.add_argument("--child", nargs=3, metavar=("WHAT", "MODEL", "DIR"))
+    parser.add_argument("--combine", nargs="+", metavar="FILE",
+                        help="write to --out one record of these phase records of one lease")
+    parser.add_argument("--serving", nargs="*", default=[], metavar="FILE",
+                        help="with --combine: serving_bench.py records of the same lease")
+    args = parser.parse_args()
+    if args.combine:
+        with open(args.out, "w") as f:
+            json.dump(combine(args.combine, args.serving), f, indent=1)
+        return 0
+    sys.path.append(ROOT)  # after PYTHONPATH, which may hold another build of the package
+    if args.child:
+        what, model, directory = args.child
+        print("RESULT " + json.dumps(CHILDREN[what](model, directory)), flush=True)
+        return 0
+    os.makedirs(args.work, exist_ok=True)
+    record = {}
+    if args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            record = json.load(f)
+    record["pjrt_device"] = os.environ.get("PJRT_DEVICE")
+    status = 0
+    for phase in args.phases.split(","):
+        if phase == "check":
+            record[phase], ok = check(args.work, args.models.split(","))
+        else:
+            record[phase], ok = {"serve": serve, "speed": speed}[phase](args.work)
+        status |= not ok
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(record, f, indent=1)
