@@ -7,12 +7,22 @@ The worker differs from TPUWorker in:
   each, for guards that check a few sizes);
 - `determine_available_memory`: what vLLM's `kv_cache_memory_bytes` says, where set. Else on
   the CPU, whose XLA client keeps no allocator statistics (xm.get_memory_info fails there),
-  enough for max_num_seqs sequences of max_model_len tokens; on a GPU, TPUWorker's (a profile
-  run, then the device's memory statistics).
-
+  enough for max_num_seqs sequences of max_model_len tokens, within the budget vLLM's own CPU
+  backend uses: VLLM_CPU_KVCACHE_SPACE GiB where set, else half the host's memory. On a GPU,
+  TPUWorker's: a profile run, then what the client's allocator limit leaves beside the
+  weights (xm.get_memory_info, the PJRT plugin's statistics). That limit is
+  gpu_memory_utilization of the GPU's memory, as vLLM's users mean it: init_device sets
+  torch_xla's PJRT_ALLOCATOR_FRACTION to it unless the user set it (XLA's own default is
+  0.75), and the share is applied there only. Both log what they chose;
 - the model runner (XlaModelRunner) makes the KV cache on the device: vLLM's TPU runner makes
   it with torch.zeros on the host, then moves it, and a cache sized from a GPU's free memory
   (0.9 of an H200's 141 GB) outgrew the host's memory and the engine process was killed;
+- it returns logprobs as the arrays vLLM's engine can send: vLLM 0.13's TPU runner returned
+  lists of numpy rows, the engine's output thread died encoding them, and a request with
+  `logprobs` hung its caller, and every later one, for good (sample_tokens); and a float32
+  model's logprobs are the model's, as other dtypes' are: vLLM's XLA sampler scaled and
+  masked float32 logits in place, so they came after temperature and top_k
+  (sample_from_logits);
 - the head size stays unpadded where our kernels take it as it is: vLLM's Pallas backend pads
   every head to a multiple of 128 (a TPU's lanes), so head size 64 ran as 128 with zeros, its
   cache twice the size; for a head size our ragged attention takes (its contract's head_dim)
@@ -29,10 +39,13 @@ import multiprocessing
 import os
 import signal
 
+import numpy as np
+import psutil
 import torch
 
 from torch_xla_ext import checks
 from torch_xla_ext.vllm_platform import kv_cache_update, xla_platform  # noqa: F401  (tpu_info)
+from torch_xla_ext.vllm_platform.xla_platform import logger
 
 kv_cache_update.serve()  # before TPUWorker's import of the model runner imports pallas.py
 
@@ -44,6 +57,7 @@ import vllm.v1.attention.backends.pallas as pallas  # noqa: E402
 import vllm.v1.worker.tpu_worker as tpu_worker  # noqa: E402
 from vllm.model_executor import set_random_seed  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
+from vllm.v1.outputs import LogprobsLists  # noqa: E402
 from vllm.v1.worker.tpu_model_runner import TPUModelRunner  # noqa: E402
 from vllm.v1.worker.tpu_worker import TPUWorker  # noqa: E402
 
@@ -70,6 +84,23 @@ def _unpadded_heads(model_config):
 
 class XlaModelRunner(TPUModelRunner):
 
+    def sample_tokens(self, grammar_output):
+        output = super().sample_tokens(grammar_output)
+        if output is not None and output.logprobs is not None:
+            # vLLM 0.13's TPU runner joins them as lists of numpy rows and scalars, which the
+            # engine's output encoder cannot send; arrays, as LogprobsLists declares them.
+            lists = output.logprobs
+            output.logprobs = LogprobsLists(
+                np.asarray(lists.logprob_token_ids), np.asarray(lists.logprobs),
+                np.asarray(lists.sampled_token_ranks), lists.cu_num_generated_tokens)
+        return output
+
+    def sample_from_logits(self, logits, sampling_metadata):
+        # vLLM's XLA sampler scales and masks its float32 logits in place (its .to(float32)
+        # copies other dtypes only), and the runner takes the logprobs it returns from the
+        # same logits afterwards: on a copy, they stay the model's, as vLLM documents them.
+        return super().sample_from_logits(logits.clone(), sampling_metadata)
+
     def initialize_kv_cache(self, kv_cache_config):
         # torch.zeros without a device, inside, makes each layer's cache on this device; the
         # sync makes the caches device buffers before the first step.
@@ -82,6 +113,9 @@ class XlaWorker(TPUWorker):
 
     def init_device(self):
         _end_with_parent()
+        if os.environ.get("PJRT_DEVICE", "").upper() == "GPU":  # before the client starts
+            os.environ.setdefault("PJRT_ALLOCATOR_FRACTION",
+                                  str(self.cache_config.gpu_memory_utilization))
         _unpadded_heads(self.model_config)
         torch.set_grad_enabled(False)
         torch.set_default_dtype(self.model_config.dtype)
@@ -105,8 +139,28 @@ class XlaWorker(TPUWorker):
         if self.cache_config.kv_cache_memory_bytes:
             return int(self.cache_config.kv_cache_memory_bytes)
         if xr.device_type() != "CPU":
-            return super().determine_available_memory()
+            # The allocator's limit is the share already (init_device): TPUWorker's sizing,
+            # which takes gpu_memory_utilization of that limit, takes all of it.
+            utilization = self.cache_config.gpu_memory_utilization
+            self.cache_config.gpu_memory_utilization = 1.0
+            try:
+                available = super().determine_available_memory()
+            finally:
+                self.cache_config.gpu_memory_utilization = utilization
+            logger.info("XLA platform: %.1f GiB of the GPU for the KV cache (allocator limit "
+                        "PJRT_ALLOCATOR_FRACTION=%s)", available / 2**30,
+                        os.environ.get("PJRT_ALLOCATOR_FRACTION"))
+            return available
         specs = self.model_runner.get_kv_cache_spec().values()
         blocks = self.scheduler_config.max_num_seqs * cdiv(self.model_config.max_model_len,
                                                             self.cache_config.block_size)
-        return blocks * sum(spec.page_size_bytes for spec in specs)
+        needed = blocks * sum(spec.page_size_bytes for spec in specs)
+        if envs.VLLM_CPU_KVCACHE_SPACE is not None:
+            budget, source = envs.VLLM_CPU_KVCACHE_SPACE * 2**30, "VLLM_CPU_KVCACHE_SPACE"
+        else:
+            budget, source = psutil.virtual_memory().total // 2, "half the host's memory"
+        logger.info("XLA platform: %.2f GiB for the KV cache on the CPU: %d sequences of %d "
+                    "tokens need %.2f GiB; the budget is %.2f GiB (%s)",
+                    min(needed, budget) / 2**30, self.scheduler_config.max_num_seqs,
+                    self.model_config.max_model_len, needed / 2**30, budget / 2**30, source)
+        return min(needed, budget)
