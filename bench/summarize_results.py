@@ -64,8 +64,9 @@ KINDS = {
     "ncu-ragged": "`tools/device/run.sh ncu_ragged`: Nsight Compute on the ragged kernels",
     r"ncu-ragged-sass-(?P<table>[0-9]+)": "`NCU_SASS=1 tools/device/run.sh ncu_ragged`: SASS table",
     "ragged-clocks": "`tools/device/run.sh clocks_ragged`: SM clock and power per mix",
-    "vllm": "`tools/device/torch_xla_gpu.sh run vllm`: tools/device/vllm_gpu.py, vLLM's LLM "
-            "through torch_xla_ext.vllm_platform",
+    "vllm": "`tools/device/torch_xla_gpu.sh run vllm`: tools/device/vllm_gpu.py, vLLM's "
+            "`LLM` and `vllm serve` through torch_xla_ext.vllm_platform, its step times beside "
+            "our Engine's and transformers' (`run bench`)",
     "torch-xla-step-profile": "`tools/device/torch_xla_gpu.sh run bench`: "
                               "bench/torch_xla_step_profile.py",
 }
@@ -249,7 +250,9 @@ def serving_tensor_parallel(files):
 def serving_torch_xla(f):
     runs = f.data["runs"]
     backends = sorted(runs)
-    keyed = {b: {(r["shape"], r.get("scheduling")): r for r in runs[b]["rows"]} for b in backends}
+    # transformers' rows (no scheduling) are keyed by their impl.
+    keyed = {b: {(r["shape"], r.get("scheduling") or r["impl"]): r for r in runs[b]["rows"]}
+             for b in backends}
     steps = list(dict.fromkeys(k for b in backends for k in keyed[b]))
     lines = [source_line(f, f"{f.data.get('note', '')}; "
                          + ", ".join(f"{b}: {runs[b].get('device')}" for b in backends)), ""]
@@ -444,19 +447,45 @@ def torch_xla_gpu(f):
 
 
 def vllm_on_xla(f):
-    rows = []
-    for model, m in f.data["models"].items():
+    d = f.data
+    lines = [source_line(f, d.get("note", "")), ""]
+    checks = []
+    for model, m in d.get("check", {}).items():
         v = m.get("vllm", {})
-        reference = m.get(m.get("equal_to"), {})
-        agree = "yes" if m.get("equal") else f"no, first divergence {m.get('first_divergence')}"
-        errors = "; ".join(f"{who}: {r['error']}" for who, r in m.items()
-                           if isinstance(r, dict) and "error" in r) or "–"
-        rows.append([model, v.get("device", "–"), m.get("equal_to"), agree,
-                     v.get("start_to_first_token_s", "–"), v.get("num_gpu_blocks", "–"),
-                     v.get("block_size", "–"), reference.get("wall_s", "–"), errors])
-    return [source_line(f), ""] + table(
-        ["model", "device", "tokens against", "equal", "vLLM start to first token s",
-         "KV blocks", "block size", "reference's run s", "errors"], rows)
+        where = m.get("first_divergence")
+        agree = "yes" if m.get("equal") else (
+            f"no: prompt {where['prompt']}, token {where['token']}, vLLM's margin there "
+            f"{fmt(where.get('vllm_margin'), 3)}" if where else "no")
+        checks.append([model, v.get("device", NOTHING), m.get("equal_to"), agree,
+                       fmt(v.get("start_to_first_token_s")), v.get("layer_cache_shape", NOTHING),
+                       v.get("error", NOTHING)])
+    if checks:
+        lines += ["`LLM.generate` greedy tokens:", ""] + table(
+            ["model", "device", "against", "equal", "start to first token s",
+             "cache per layer", "error"], checks) + [""]
+    serve = d.get("serve")
+    if serve:
+        held = ", ".join(f"{k} {'ok' if v.get('ok') else 'FAILED'}" for k, v in serve.items()
+                         if isinstance(v, dict) and "ok" in v)
+        gone = serve.get("disconnects", {})
+        lines += [f"`vllm serve` (tiny): {held}; tokens equal to transformers': "
+                  f"{serve.get('equal_to_transformers')}; healthy {fmt(serve.get('start_to_healthy_s'))} s "
+                  f"after start; {gone.get('aborted', NOTHING)} of {gone.get('requests', NOTHING)} "
+                  f"streams left mid-way aborted, cache empty "
+                  f"{fmt(gone.get('seconds_to_idle_and_empty_cache'), 2)} s later.", ""]
+    speed = d.get("speed", {})
+    if d.get("compared"):
+        cold, warm = speed.get("cold", {}), speed.get("warm_start", {})
+        lines += [f"Wall time per step, 1B bf16 (vLLM: start to first token "
+                  f"{fmt(cold.get('start_to_first_token_s'))} s cold, "
+                  f"{fmt(warm.get('start_to_first_token_s'))} s with its compilation cache):", ""]
+        lines += table(["step", "vLLM on XLA ms", "Engine torchax ms", "Engine torch_xla ms",
+                        "transformers + torch.compile ms", "vLLM / Engine's best"],
+                       [[c["shape"], fmt(c["vllm_ms"], 2), fmt(c.get("xla_ext_torchax_ms"), 2),
+                         fmt(c.get("xla_ext_torch_xla_ms"), 2),
+                         fmt(c.get("hf_compile_reduce_overhead_ms"), 2),
+                         fmt(c.get("vllm_over_engine_best"), 2)] for c in d["compared"]])
+    return lines
 
 
 # --- logs --------------------------------------------------------------------------------
