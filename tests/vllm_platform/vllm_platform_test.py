@@ -4,8 +4,9 @@ is set but PJRT_DEVICE=CPU), a tiny random Llama saved as a checkpoint, then
 
 - `vllm.LLM(...).generate` with prompt token ids: greedy tokens equal to transformers' and to
   our Engine's, for more requests than max_num_seqs, of different lengths, one longer than
-  the step's token budget (chunked prefill); the step's optimised HLO holds our custom calls
-  (ragged attention, the KV write) and donates every layer's cache;
+  the step's token budget (chunked prefill), and logprobs equal to transformers'; the step's
+  optimised HLO holds our custom calls (ragged attention, the KV write) and donates every
+  layer's cache;
 - `vllm serve` answering OpenAI /v1/completions on loopback, from an HTTP client, with the same
   tokens, streamed too, and vLLM's error for a bad request, after which it serves the next;
 - the README's `vllm serve` line and `LLM` example, as written there (<checkpoint> filled in);
@@ -28,20 +29,14 @@ import time
 import pytest
 import torch
 
-from tests.build import fresh_venv
 from tests.serving.common import PROMPT_LENS
+from tests.vllm_platform.common import installed, vllm_env  # noqa: F401  (installed: a fixture)
 from torch_xla_ext.serving import Engine, hf
 
-WHEEL = glob.glob("torch_xla_ext-*.whl")
 README = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
 MAX_TOKENS = 8
 # More requests (8) than max_num_seqs (4); the last is longer than the token budget (64).
 LIMITS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    return fresh_venv.install(WHEEL[0], tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +62,6 @@ def expected(checkpoint, prompts):
     return [hf.reference_generate(model, p, MAX_TOKENS)[0] for p in prompts]
 
 
-def _env(tmp_path, **extra):
-    """The environment a user's shell would have: PJRT_DEVICE=CPU, and vLLM's caches in a
-    temporary directory (no persistent XLA cache, no usage reports, nothing downloaded)."""
-    return dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH="", JAX_PLATFORMS="cpu",
-                VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"), VLLM_XLA_CACHE_PATH="",
-                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", **extra)
-
-
 _GENERATE = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
@@ -83,8 +70,12 @@ _GENERATE = textwrap.dedent("""
     llm = LLM(model=directory, dtype="float32", skip_tokenizer_init=True, **limits)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    with_logprobs = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
     print("RESULT", json.dumps({"platform": type(current_platform).__qualname__,
-                                "tokens": [list(o.outputs[0].token_ids) for o in outputs]}),
+                                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                                "logprobs": [{t: lp.logprob for t, lp in step.items()} for step
+                                             in with_logprobs[0].outputs[0].logprobs]}),
           flush=True)
 """)
 
@@ -97,12 +88,20 @@ def test_llm_generates_the_tokens_of_transformers_and_our_engine(installed, chec
     result = subprocess.run(
         [python, "-c", _GENERATE, json.dumps([directory, prompts, MAX_TOKENS, LIMITS])],
         cwd=tmp_path, capture_output=True, text=True, timeout=900,
-        env=_env(tmp_path, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text"))
+        env=vllm_env(tmp_path, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text"))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     got, = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
             if line.startswith("RESULT ")]
     assert got["platform"] == "XlaPlatform"
     assert got["tokens"] == expected
+    # logprobs (vLLM 0.13's TPU runner returned them as the engine could not send them, and
+    # the request hung): the top 2 of transformers' distribution at each token.
+    _, logits = hf.reference_generate(model, prompts[0], MAX_TOKENS)
+    for step, step_logits in zip(got["logprobs"], logits, strict=True):
+        top = torch.log_softmax(step_logits, -1).topk(2)
+        assert sorted(map(int, step)) == sorted(top.indices.tolist())
+        for token, logprob in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(step[str(token)] - logprob) < 1e-3, (step, token, logprob)
     engine = Engine(model, backend="torchax", page_size=16, **LIMITS)
     assert engine.generate(prompts, MAX_TOKENS) == expected
 
@@ -148,7 +147,7 @@ def test_llm_starts_after_torch_work_and_exits_cleanly(installed, checkpoint, tm
     directory, model = checkpoint
     result = subprocess.run([python, "-c", _TORCH_WORK_FIRST, json.dumps([directory, LIMITS])],
                             cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env=_env(tmp_path))
+                            env=vllm_env(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     got, = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
             if line.startswith("RESULT ")]
@@ -165,7 +164,7 @@ def test_a_killed_llm_process_leaves_no_engine_process(installed, checkpoint, tm
     directory, _ = checkpoint
     process = subprocess.Popen([python, "-c", _TORCH_WORK_FIRST, json.dumps([directory, LIMITS]),
                                 "wait"], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True, env=_env(tmp_path))
+                               stderr=subprocess.DEVNULL, text=True, env=vllm_env(tmp_path))
     ready = threading.Event()
 
     def watch():
@@ -197,7 +196,7 @@ def test_a_max_model_len_the_pallas_backend_pages_by_256_starts(installed, tmp_p
     limits = dict(LIMITS, max_model_len=4096)
     result = subprocess.run([python, "-c", _GENERATE, json.dumps([directory, [[5, 6, 7]], 4, limits])],
                             cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env=_env(tmp_path))
+                            env=vllm_env(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     assert "KV page size 128 (the Pallas backend chose 256" in result.stderr + result.stdout
     got, = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines()
@@ -218,7 +217,7 @@ def test_the_readmes_llm_example(installed, checkpoint, tmp_path):
                 if b.startswith("from vllm import LLM")]
     result = subprocess.run([python, "-c", example.replace("<checkpoint>", directory)],
                             cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                            env=_env(tmp_path))
+                            env=vllm_env(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     printed = [line for line in result.stdout.splitlines() if line.startswith("[")]
     assert printed[-1] == str(hf.reference_generate(model, [1, 2, 3], 8)[0])
@@ -249,7 +248,7 @@ def server(installed, checkpoint, tmp_path_factory):
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")  # the project venv's script
     process = subprocess.Popen(
         [vllm, *command[1:], "--host", "127.0.0.1", "--port", str(port)],
-        cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=dict(_env(tmp), PYTHONPATH=site))
+        cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=dict(vllm_env(tmp), PYTHONPATH=site))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     try:
@@ -335,3 +334,30 @@ def test_a_sampling_field_the_xla_sampler_ignores_is_refused_by_name(server, pro
     assert named in refused.text, refused.text
     good = _completion(url, model, prompts[2])
     assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == expected[2]
+
+
+def test_the_kv_cache_on_the_cpu_stays_within_its_budget(monkeypatch):
+    """On the CPU the cache takes what max_num_seqs sequences of max_model_len need, within
+    VLLM_CPU_KVCACHE_SPACE GiB (vLLM's own CPU backend's budget), else half the host's memory."""
+    import psutil
+    from types import SimpleNamespace
+
+    from torch_xla_ext.vllm_platform.worker import XlaWorker
+
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    page = 1 << 20  # bytes per block, all layers
+
+    def worker(max_num_seqs, max_model_len):
+        return SimpleNamespace(
+            cache_config=SimpleNamespace(kv_cache_memory_bytes=None, block_size=16),
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+            model_config=SimpleNamespace(max_model_len=max_model_len),
+            model_runner=SimpleNamespace(get_kv_cache_spec=lambda: {
+                "layer": SimpleNamespace(page_size_bytes=page)}))
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert XlaWorker.determine_available_memory(worker(4, 128)) == 4 * 8 * page
+    assert XlaWorker.determine_available_memory(worker(1024, 4096)) == 1 << 30
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert XlaWorker.determine_available_memory(worker(1 << 20, 1 << 20)) == \
+        psutil.virtual_memory().total // 2

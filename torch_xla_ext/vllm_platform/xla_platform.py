@@ -13,6 +13,11 @@ TPUs: torch_xla_ops.py), XLA sampling. What differs:
 - the worker is worker.XlaWorker;
 - the KV page size is one our attention kernels take: for max_model_len 2049-8192 the Pallas
   backend picks 256, and ours take 8-128 (their contract), so the largest of those under it;
+- features it does not run are refused when the engine is configured, with a ValueError
+  naming the feature, the value given and what is supported (unsupported_feature), rather
+  than failing deep in the engine's start or first step, or running untested: pooling models,
+  speculative decoding, M-RoPE models, LoRA, a kv_cache_dtype our kernels do not take
+  (fp8_e5m2, or fp8 beside a float32 model) and a head size our attention does not take;
 - sampling fields that vLLM's XLA sampler ignores are refused at the request, each by name
   (unsupported_sampling_fields), instead of returning plain greedy tokens;
 - a prompt's token ids are checked against the model's vocabulary. vLLM checks them only
@@ -51,6 +56,7 @@ except ImportError:
 from vllm.logger import init_logger  # noqa: E402
 
 from torch_xla_ext import checks  # noqa: E402
+from torch_xla_ext.dtypes import name as dtype_name  # noqa: E402
 from vllm.platforms.tpu import TpuPlatform  # noqa: E402
 
 # Under vLLM's logger hierarchy, whose handler prints INFO (a logger of our package's own name
@@ -92,6 +98,58 @@ def unsupported_sampling_fields(params):
     return set_fields
 
 
+# vLLM's Pallas backend pads a head size to a multiple of this, unless the worker keeps it as
+# it is (worker._unpadded_heads: a size our attention takes).
+PALLAS_HEAD_ALIGNMENT = 128
+
+
+def _kv_cache_dtypes(model_dtype):
+    """The kv_cache_dtype values our kernels take beside a model of `model_dtype`: "auto" and
+    those vLLM's Pallas backend maps to the model's dtype or, beside a 16-bit model,
+    float8_e4m3fn (the ragged attention's contract: kv_pages has q's dtype, or float8_e4m3fn
+    beside a float16 or bfloat16 q)."""
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.v1.attention.backends.pallas import TPU_STR_DTYPE_TO_TORCH_DTYPE
+
+    cache_dtypes = checks.supported(checks.RAGGED_PAGED_ATTENTION, "dtype", "kv_pages")
+    taken = {dtype_name(model_dtype)} & set(cache_dtypes)
+    if dtype_name(model_dtype) != "float32" and "float8_e4m3fn" in cache_dtypes:
+        taken.add("float8_e4m3fn")
+    return ["auto"] + [value for value in typing.get_args(CacheDType)
+                       if value in TPU_STR_DTYPE_TO_TORCH_DTYPE
+                       and dtype_name(TPU_STR_DTYPE_TO_TORCH_DTYPE[value]) in taken]
+
+
+def unsupported_feature(vllm_config):
+    """(the feature of `vllm_config` this platform does not run, named with the value given;
+    what it supports instead) for the first such feature, or None."""
+    model = vllm_config.model_config
+    if model.runner_type != "generate":
+        return f"pooling models (runner {model.runner_type!r})", "runner 'generate'"
+    if vllm_config.speculative_config is not None:
+        return (f"speculative decoding (speculative_config with method "
+                f"{vllm_config.speculative_config.method!r})", "no speculative_config")
+    if model.uses_mrope:  # vLLM's TPU model runner asserts it away in the engine process
+        return (f"M-RoPE models ({', '.join(model.architectures)}, whose rope parameters have "
+                "an mrope_section)", "rotary embeddings over one position axis")
+    if vllm_config.lora_config is not None:
+        return "LoRA (enable_lora)", "enable_lora off"
+    cache_dtypes = _kv_cache_dtypes(model.dtype)
+    if vllm_config.cache_config.cache_dtype not in cache_dtypes:
+        return (f"kv_cache_dtype {vllm_config.cache_config.cache_dtype!r}",
+                f"kv_cache_dtype {' or '.join(map(repr, cache_dtypes))} for a "
+                f"{dtype_name(model.dtype)} model")
+    head_size = model.get_head_size()
+    head_sizes = checks.supported(checks.RAGGED_PAGED_ATTENTION, "head_dim", "q")
+    padded = -(-head_size // PALLAS_HEAD_ALIGNMENT) * PALLAS_HEAD_ALIGNMENT
+    if head_size not in head_sizes and padded not in head_sizes:
+        return (f"head size {head_size}", f"head sizes {list(head_sizes)}, or one that vLLM's "
+                f"Pallas backend pads to one of those (to a multiple of {PALLAS_HEAD_ALIGNMENT})")
+    return None
+
+
 class XlaPlatform(TpuPlatform):
     vocab_size = None  # the model's, once a config is checked in this process
 
@@ -112,6 +170,11 @@ class XlaPlatform(TpuPlatform):
         from torch_xla_ext.vllm_platform import kv_cache_update
 
         kv_cache_update.serve()  # TpuPlatform's check imports the Pallas backend
+        unsupported = unsupported_feature(vllm_config) if model_config is not None else None
+        if unsupported:
+            feature, supported = unsupported
+            raise ValueError(f"Not supported on the XLA platform: {feature}. Supported: "
+                             f"{supported}.")
         _shut_down_before_exit()
         super().check_and_update_config(vllm_config)
         if dtype is not None and model_config.dtype != dtype:
