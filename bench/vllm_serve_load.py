@@ -1,7 +1,8 @@
 """A client of vLLM's OpenAI server sending what users send: /v1/completions with token-id
 prompts, streamed or not, many at once, some abandoned mid-stream, some bad; and the server's
-KV cache usage from /metrics. `tools/device/vllm_gpu.py --serve` runs `check_server` against
-`vllm serve` on the GPU machine.
+KV cache usage from /metrics. `tools/device/vllm_gpu.py --phases serve` runs `check_server`
+against `vllm serve` on the GPU machine; tests/vllm_platform/serve_storm_test.py runs
+`run_storm` against it on the CPU.
 
 Every request asks for greedy tokens (temperature 0, ignore_eos) and the token ids back, so
 a request's answer can be compared with the same request sent alone.
@@ -133,3 +134,57 @@ def check_server(url, model, prompts, vocab_size, max_model_len, max_tokens=16, 
                                    and finished_anyway < len(left) and seconds_to_idle is not None)
     record["ok"] = all(v["ok"] for v in record.values() if isinstance(v, dict))
     return record
+
+
+def storm_requests(prompts, vocab_size, max_model_len, count=200, tokens=16):
+    """A storm's requests, as (kind, complete()'s arguments, for bad ones the words their error
+    must hold): one in 20 bad (cycling through a token id past the vocabulary, max_tokens 0 and
+    -1, a prompt longer than max_model_len, a sampling field the platform refuses), one in 5
+    streamed and left after 2 tokens, the rest good, streamed or not, for 1 to `tokens`
+    tokens."""
+    bad = [
+        ({"prompt": [1, 2, vocab_size + 3], "max_tokens": 4}, f"Token id {vocab_size + 3}"),
+        ({"prompt": prompts[0], "max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"prompt": prompts[0], "max_tokens": -1}, "max_tokens must be at least 1"),
+        ({"prompt": [1] * (max_model_len + 1), "max_tokens": 4}, "maximum context length"),
+        ({"prompt": prompts[0], "max_tokens": 4, "repetition_penalty": 1.5}, "repetition_penalty"),
+    ]
+    storm = []
+    for i in range(count):
+        prompt = prompts[i % len(prompts)]
+        if i % 20 == 7:
+            fields, words = bad[(i // 20) % len(bad)]
+            storm.append(("bad", fields, words))
+        elif i % 5 == 3:  # never one of the bad ones (i % 20 == 7)
+            storm.append(("left", {"prompt": prompt, "max_tokens": max_model_len - len(prompt),
+                                   "stream": True, "disconnect_after": 2}, None))
+        else:
+            storm.append(("good", {"prompt": prompt, "max_tokens": 1 + i % tokens,
+                                   "stream": i % 2 == 1}, None))
+    return storm
+
+
+def run_storm(url, model, prompts, vocab_size, max_model_len, count=200, concurrency=32,
+              tokens=16):
+    """Each prompt alone first (its greedy tokens, of which a good request's must be the first
+    max_tokens), then the storm, `concurrency` at a time; what went wrong, by kind, and what
+    was seen (the server's state after it is the caller's to check: wait_until_idle)."""
+    solo = {tuple(p): complete(url, model, p, tokens)["tokens"] for p in prompts}
+    storm = storm_requests(prompts, vocab_size, max_model_len, count, tokens)
+    tic = time.monotonic()
+    answers = send_all(url, model, [fields for _, fields, _ in storm], concurrency)
+    wrong = {"good": [], "bad": [], "left": []}
+    for i, ((kind, fields, words), answer) in enumerate(zip(storm, answers)):
+        if kind == "good":
+            ok = answer["tokens"] == solo[tuple(fields["prompt"])][:fields["max_tokens"]]
+        elif kind == "bad":
+            ok = 400 <= answer["status"] < 500 and words in (answer["error"] or "")
+        else:
+            ok = answer.get("disconnected", False)
+        if not ok:
+            wrong[kind].append({"request": i, "fields": {k: v for k, v in fields.items()
+                                                         if k != "prompt"},
+                                "status": answer["status"], "tokens": answer["tokens"],
+                                "error": (answer["error"] or "")[:300]})
+    return {"requests": {kind: sum(k == kind for k, _, _ in storm) for kind in wrong},
+            "wrong": wrong, "wall_s": round(time.monotonic() - tic, 2)}
