@@ -9,10 +9,49 @@ a request's answer can be compared with the same request sent alone.
 """
 
 import concurrent.futures
+import contextlib
 import json
+import socket
+import subprocess
 import time
 
 import requests
+
+
+@contextlib.contextmanager
+def running_server(command, log_path, timeout_s=600, **popen):
+    """Runs `command` (`vllm serve ...`, without --host and --port) on a free loopback port,
+    its output to log_path; yields (url, process) once /health answers, raising with the
+    log's tail if it exits or does not answer within timeout_s; terminates it at the end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {process.returncode}:\n"
+                                   + open(log_path).read()[-6000:])
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not answer within {timeout_s} s:\n"
+                                   + open(log_path).read()[-6000:])
+            time.sleep(1)
+        yield url, process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def complete(url, model, prompt, max_tokens, stream=False, disconnect_after=None, **fields):

@@ -15,9 +15,7 @@ VLLM_STORM_REQUESTS sets the storm's size (200 in CI; more for a longer run).
 """
 
 import os
-import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -31,14 +29,6 @@ REQUESTS = int(os.environ.get("VLLM_STORM_REQUESTS", "200"))
 LIMITS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128)
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     model = hf.random_model(hf.TINY, seed=3)
@@ -50,40 +40,15 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(installed, checkpoint, tmp_path_factory):
-    """`vllm serve` on the checkpoint, on a free loopback port: (url, process, log path)."""
-    import requests
-
+    """`vllm serve` on the checkpoint on loopback: (url, process, log path)."""
     _, site = installed
     tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    log_path = tmp / "server.log"
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [vllm, "serve", checkpoint, "--dtype", "float32", "--skip-tokenizer-init",
-             "--host", "127.0.0.1", "--port", str(port),
-             *[f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]],
-            cwd=tmp, stdout=log, stderr=subprocess.STDOUT,
-            env=dict(vllm_env(tmp), PYTHONPATH=site))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            assert process.poll() is None, "vllm serve exited:\n" + log_path.read_text()[-6000:]
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-6000:]
-            time.sleep(1)
-        yield url, process, log_path
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    command = [vllm, "serve", checkpoint, "--dtype", "float32", "--skip-tokenizer-init",
+               *[f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]]
+    with vllm_serve_load.running_server(command, tmp / "server.log", cwd=tmp,
+                                        env=dict(vllm_env(tmp), PYTHONPATH=site)) as (url, process):
+        yield url, process, tmp / "server.log"
 
 
 def _resident_bytes(process):

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import sys
 import subprocess
 import textwrap
@@ -29,6 +28,7 @@ import time
 import pytest
 import torch
 
+from bench import vllm_serve_load
 from tests.serving.common import PROMPT_LENS
 from tests.vllm_platform.common import installed, vllm_env  # noqa: F401  (installed: a fixture)
 from torch_xla_ext.serving import Engine, hf
@@ -204,12 +204,6 @@ def test_a_max_model_len_the_pallas_backend_pages_by_256_starts(installed, tmp_p
     assert got["tokens"] == [hf.reference_generate(model, [5, 6, 7], 4)[0]]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_readmes_llm_example(installed, checkpoint, tmp_path):
     python, _ = installed
     directory, model = checkpoint
@@ -234,42 +228,16 @@ def _readme_serve_command(directory):
 
 @pytest.fixture(scope="module")
 def server(installed, checkpoint, tmp_path_factory):
-    """The README's `vllm serve <checkpoint> ...`, on a free loopback port: vLLM's console
-    script, which finds the platform through the wheel installed in the fresh venv; its base
-    URL."""
-    import httpx
-
+    """The README's `vllm serve <checkpoint> ...` on loopback: vLLM's console script, which
+    finds the platform through the wheel installed in the fresh venv; its base URL."""
     _, site = installed
     directory, _ = checkpoint
     tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    log = open(tmp / "server.log", "w")
-    command = _readme_serve_command(directory)
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")  # the project venv's script
-    process = subprocess.Popen(
-        [vllm, *command[1:], "--host", "127.0.0.1", "--port", str(port)],
-        cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=dict(vllm_env(tmp), PYTHONPATH=site))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            if process.poll() is not None:
-                raise AssertionError("vllm serve exited:\n" + open(tmp / "server.log").read()[-6000:])
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, open(tmp / "server.log").read()[-6000:]
-            time.sleep(1)
+    command = [vllm, *_readme_serve_command(directory)[1:]]
+    with vllm_serve_load.running_server(command, tmp / "server.log", cwd=tmp,
+                                        env=dict(vllm_env(tmp), PYTHONPATH=site)) as (url, _):
         yield url, directory
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 def _completion(url, model, prompt, **fields):

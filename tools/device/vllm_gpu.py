@@ -321,45 +321,26 @@ def check(work, models):
 
 def serve(work):
     """`vllm serve` on tiny, checked as its users use it."""
-    import requests
-
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import vllm_serve_load
 
     model = "tiny"
     directory = _checkpoint(work, model)
-    port = 8765
     log_path = os.path.join(work, "serve.log")
-    tic = time.time()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", directory,
-             "--dtype", _dtype(model), "--skip-tokenizer-init", "--host", "127.0.0.1",
-             "--port", str(port), *[f"--{k.replace('_', '-')}={v}" for k, v in {**SERVE_LIMITS, **KV_BYTES}.items()]],
-            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", directory,
+               "--dtype", _dtype(model), "--skip-tokenizer-init",
+               *[f"--{k.replace('_', '-')}={v}" for k, v in {**SERVE_LIMITS, **KV_BYTES}.items()]]
     record = {}
+    tic = time.time()
     try:
-        while server.poll() is None and time.time() - tic < 600:
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(1)
-        record["start_to_healthy_s"] = round(time.time() - tic, 1)
-        if server.poll() is not None:
-            record["error"] = f"vllm serve exited with {server.returncode}"
-        else:
+        with vllm_serve_load.running_server(command, log_path) as (url, _):
+            record["start_to_healthy_s"] = round(time.time() - tic, 1)
             vocab_size = _config(model)["vocab_size"]
             record.update(vllm_serve_load.check_server(
                 url, directory, _prompts(vocab_size), vocab_size, SERVE_LIMITS["max_model_len"],
                 max_tokens=MAX_TOKENS))
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    except RuntimeError as e:
+        record["error"] = str(e).splitlines()[0]
     record["server_log"] = [line.rstrip()[-300:] for line in open(log_path)
                             if "KV cache" in line or "ERROR" in line or "Error" in line][-20:]
     reference = _child("transformers", model, directory, 300)
