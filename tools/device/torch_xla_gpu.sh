@@ -23,8 +23,9 @@
 #              with PJRT_DEVICE=GPU: tools/device/vllm_gpu.py's phases (VLLM_PHASES, default
 #              check,serve,speed; each fits a call of its own): `LLM` on a tiny float32
 #              checkpoint against transformers and the 1B-class one in bfloat16 against our
-#              Engine (VLLM_MODELS picks), `vllm serve` under load, and the 1B model's step
-#              times and startup -> $OUT/$GPU-vllm.json
+#              Engine (VLLM_MODELS picks), `vllm serve` under load, the 1B model's step
+#              times and startup, and (VLLM_PHASES=profile) a cProfile of its decode step
+#              -> $OUT/$GPU-vllm.json
 #            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
 #              through torchax beside transformers + torch.compile, in one lease (modes async
 #              and runs) -> $OUT/$GPU-serving-torch-xla.json (both runs);

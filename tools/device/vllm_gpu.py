@@ -21,7 +21,9 @@ to the record in FILE:
   Engine: wall time per decode step at B = 1, 16 and 64, and per step of its mixed batch (48
   decodes at 2k beside 16 new 2k-token prompts prefilled in 512-token chunks), each the mean
   over steps of LLMEngine.step(); startup (process start to the first token, every compile
-  included) cold, then again with the persistent compilation cache that start wrote.
+  included) cold, then again with the persistent compilation cache that start wrote;
+- profile: where the host's time in vLLM's decode step goes: cProfile over B=1 decode steps of
+  1b, with the engine core in the profiled process.
 """
 
 import argparse
@@ -255,8 +257,42 @@ def run_restart(model, directory):
     return {"start_to_first_token_s": _since_start()}
 
 
+def run_profile(model, directory):
+    """In this process, with vLLM's engine core in it too (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    STEPS decode steps at B=1 and a CONTEXT-token prompt under cProfile; the functions with
+    the most time, own and cumulative, per step."""
+    import cProfile
+    import io
+    import pstats
+
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = _llm(model, directory, **SPEED_LIMITS)
+    engine = llm.llm_engine
+    _add(engine, "profile", _prompts(_config(model)["vocab_size"], [CONTEXT], seed=5),
+         _greedy(WARMUP + 2 * STEPS + 10, output_kind=RequestOutputKind.DELTA))
+    started = set()
+    _step_until(engine, lambda got: bool(started.update(got)) or bool(started))
+    for _ in range(WARMUP):
+        engine.step()
+    profile = cProfile.Profile()
+    tic = time.perf_counter()
+    profile.enable()
+    for _ in range(STEPS):
+        engine.step()
+    profile.disable()
+    ms_per_step = (time.perf_counter() - tic) / STEPS * 1e3
+    tables = {}
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(25)
+        tables[order] = [line for line in text.getvalue().splitlines() if line.strip()][-26:]
+    engine.abort_request(["profile-0"])
+    return {"steps": STEPS, "ms_per_step_profiled": round(ms_per_step, 3), "top": tables}
+
+
 CHILDREN = {"vllm": run_vllm, "engine": run_engine, "transformers": run_transformers,
-            "speed": run_speed, "restart": run_restart}
+            "speed": run_speed, "restart": run_restart, "profile": run_profile}
 
 
 def _child(what, model, directory, timeout, **env):
@@ -409,6 +445,19 @@ def combine(parts, serving_runs):
     return record
 
 
+def profile(work):
+    """Where the host time of vLLM's decode step goes (run_profile)."""
+    model = "tiny" if os.environ.get("VLLM_GPU_SMOKE") == "1" else "1b"
+    record = _child("profile", model, _checkpoint(work, model), 900,
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    ok = "error" not in record
+    print(f"{'PASS' if ok else 'FAIL'} profile {model}: {record.get('ms_per_step_profiled')} ms "
+          f"per profiled B=1 step; {record.get('error', '')}", flush=True)
+    if ok:
+        print("\n".join(record["top"]["cumulative"]), flush=True)
+    return record, ok
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
@@ -441,7 +490,7 @@ def main():
         if phase == "check":
             record[phase], ok = check(args.work, args.models.split(","))
         else:
-            record[phase], ok = {"serve": serve, "speed": speed}[phase](args.work)
+            record[phase], ok = {"serve": serve, "speed": speed, "profile": profile}[phase](args.work)
         status |= not ok
         if args.out:
             with open(args.out, "w") as f:
