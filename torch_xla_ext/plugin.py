@@ -113,16 +113,12 @@ class CudaPlugin(plugins.DevicePlugin):
         pass
 
 
-# The client's allocator settings, read from the variables torch_xla's own CUDA plugin reads:
-# the share of each GPU's memory the client takes (XLA's default 0.75), and whether it takes it
-# all at start (default true).
-ALLOCATOR_VARIABLES = {"PJRT_ALLOCATOR_FRACTION": "memory_fraction",
-                       "PJRT_ALLOCATOR_PREALLOCATE": "preallocate"}
-
-
 def allocator_options(environ):
-    """The CUDA PJRT client's create options that `environ` sets (PJRT_ALLOCATOR_FRACTION, a
-    number in (0, 1]; PJRT_ALLOCATOR_PREALLOCATE, true/false or 1/0)."""
+    """The CUDA PJRT client's allocator options that `environ` sets, from the variables
+    torch_xla's own CUDA plugin reads: PJRT_ALLOCATOR_FRACTION (memory_fraction, the share of
+    each GPU's memory the client takes, a number in (0, 1]; XLA's default 0.75) and
+    PJRT_ALLOCATOR_PREALLOCATE (preallocate, whether it takes it all at start: true/false or
+    1/0; default true)."""
     options = {}
     fraction = environ.get("PJRT_ALLOCATOR_FRACTION")
     if fraction:
