@@ -21,6 +21,24 @@ from torch_xla_ext.serving import Engine, hf
 STEPS, CONTEXT = 20, 2048
 
 
+def profile_steps(step, steps, top=25):
+    """`step()` called `steps` times under cProfile: (ms per call, {"tottime": the `top`
+    functions by own time, "cumulative": by cumulative time}, each as pstats prints it)."""
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    ms_per_step = (time.perf_counter() - start) * 1e3 / steps
+    tables = {}
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
+        tables[order] = text.getvalue()
+    return ms_per_step, tables
+
+
 def main():
     import torch_xla.debug.metrics as met
 
@@ -33,17 +51,10 @@ def main():
     for _ in range(5):
         engine.step()
     met.clear_all()
-    profile = cProfile.Profile()
-    start = time.perf_counter()
-    profile.enable()
-    for _ in range(STEPS):
-        engine.step()
-    profile.disable()
-    print(f"{(time.perf_counter() - start) * 1e3 / STEPS:.2f} ms per step (under cProfile)")
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(25)
-        print(text.getvalue())
+    ms_per_step, tables = profile_steps(engine.step, STEPS)
+    print(f"{ms_per_step:.2f} ms per step (under cProfile)")
+    for table in tables.values():
+        print(table)
     print(met.short_metrics_report())
     for name in ("TraceTime", "CompileTime", "ExecuteTime", "TransferToDeviceTime",
                  "TransferFromDeviceTime", "IrValueTensorToXlaData"):

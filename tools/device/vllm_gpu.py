@@ -261,34 +261,21 @@ def run_profile(model, directory):
     """In this process, with vLLM's engine core in it too (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     STEPS decode steps at B=1 and a CONTEXT-token prompt under cProfile; the functions with
     the most time, own and cumulative, per step."""
-    import cProfile
-    import io
-    import pstats
-
+    from bench.torch_xla_step_profile import profile_steps
     from vllm.sampling_params import RequestOutputKind
 
     llm = _llm(model, directory, **SPEED_LIMITS)
     engine = llm.llm_engine
-    _add(engine, "profile", _prompts(_config(model)["vocab_size"], [CONTEXT], seed=5),
-         _greedy(WARMUP + 2 * STEPS + 10, output_kind=RequestOutputKind.DELTA))
-    started = set()
-    _step_until(engine, lambda got: bool(started.update(got)) or bool(started))
+    ids = _add(engine, "profile", _prompts(_config(model)["vocab_size"], [CONTEXT], seed=5),
+               _greedy(WARMUP + 2 * STEPS + 10, output_kind=RequestOutputKind.DELTA))
+    _step_until(engine, bool)  # until its prefill gave the first token
     for _ in range(WARMUP):
         engine.step()
-    profile = cProfile.Profile()
-    tic = time.perf_counter()
-    profile.enable()
-    for _ in range(STEPS):
-        engine.step()
-    profile.disable()
-    ms_per_step = (time.perf_counter() - tic) / STEPS * 1e3
-    tables = {}
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(25)
-        tables[order] = [line for line in text.getvalue().splitlines() if line.strip()][-26:]
-    engine.abort_request(["profile-0"])
-    return {"steps": STEPS, "ms_per_step_profiled": round(ms_per_step, 3), "top": tables}
+    ms_per_step, tables = profile_steps(engine.step, STEPS)
+    engine.abort_request(list(ids))
+    return {"steps": STEPS, "ms_per_step_profiled": round(ms_per_step, 3),
+            "top": {order: [line for line in text.splitlines() if line.strip()][-26:]
+                    for order, text in tables.items()}}
 
 
 CHILDREN = {"vllm": run_vllm, "engine": run_engine, "transformers": run_transformers,
@@ -357,8 +344,7 @@ def check(work, models):
 
 def serve(work):
     """`vllm serve` on tiny, checked as its users use it."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import vllm_serve_load
+    from bench import vllm_serve_load
 
     model = "tiny"
     directory = _checkpoint(work, model)
