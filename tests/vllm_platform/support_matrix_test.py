@@ -465,50 +465,40 @@ def _greedy_choice(model, tokenizer, prompt, choices):
 # 16-bit models and caches, each with a max_model_len of another KV page size and a prompt
 # filling most of it.
 
-@pytest.fixture(scope="class")
-def bfloat16_llm(installed, bfloat16_checkpoint, tmp_path_factory):
-    llm = _llm(installed, tmp_path_factory, "bfloat16_llm", model=bfloat16_checkpoint[0],
-               skip_tokenizer_init=True, max_model_len=512)
-    yield llm
+# (dtype, its checkpoint's fixture, max_model_len, the page size vLLM takes for it, the length
+# of a prompt filling most of it, that prompt's seed, the head size row, the context row)
+SIXTEEN_BIT = [
+    ("bfloat16", "bfloat16_checkpoint", 512, 32, 400, 10, "128", "257-512 (32)"),
+    ("float16", "float16_checkpoint", 1024, 64, 900, 11,
+     "32 (vLLM's Pallas backend pads it to 128)", "513-1024 (64)"),
+]
+
+
+@pytest.fixture(scope="class", params=SIXTEEN_BIT, ids=[row[0] for row in SIXTEEN_BIT])
+def sixteen_bit(request, installed, tmp_path_factory):
+    """(the row of SIXTEEN_BIT, its model, an LLM on its checkpoint)."""
+    dtype, checkpoint, max_model_len = request.param[:3]
+    directory, model = request.getfixturevalue(checkpoint)
+    llm = _llm(installed, tmp_path_factory, f"{dtype}_llm", model=directory,
+               skip_tokenizer_init=True, max_model_len=max_model_len)
+    yield request.param, model, llm
     llm.close()
 
 
-class TestBfloat16:
+class TestSixteenBit:
 
-    def test_greedy_tokens_are_transformers_bfloat16(self, bfloat16_llm, bfloat16_checkpoint):
-        _, model = bfloat16_checkpoint
-        assert bfloat16_llm.page_size == 32
-        prompts = PROMPTS[:3] + _prompts([400], seed=10)
-        for prompt, tokens in zip(prompts, _greedy(bfloat16_llm, prompts)):
+    def test_greedy_tokens_are_transformers_in_the_same_dtype(self, sixteen_bit):
+        (dtype, _, max_model_len, page_size, prompt_len, seed, head_size, context), model, llm = \
+            sixteen_bit
+        assert llm.page_size == page_size
+        prompts = PROMPTS[:3] + _prompts([prompt_len], seed=seed)
+        for prompt, tokens in zip(prompts, _greedy(llm, prompts)):
             _assert_transformers_greedy(model, prompt, tokens)
-        checked = "greedy tokens equal transformers' bfloat16 ones"
-        record("dtype", "bfloat16", SUPPORTED, checked)
-        record("head size", "128", SUPPORTED, checked)
-        record(CONTEXT, "257-512 (32)", SUPPORTED, "max_model_len 512 (page size 32), a "
-               "400-token prompt: " + checked)
-
-
-@pytest.fixture(scope="class")
-def float16_llm(installed, float16_checkpoint, tmp_path_factory):
-    llm = _llm(installed, tmp_path_factory, "float16_llm", model=float16_checkpoint[0],
-               skip_tokenizer_init=True, max_model_len=1024)
-    yield llm
-    llm.close()
-
-
-class TestFloat16:
-
-    def test_greedy_tokens_are_transformers_float16(self, float16_llm, float16_checkpoint):
-        _, model = float16_checkpoint
-        assert float16_llm.page_size == 64
-        prompts = PROMPTS[:3] + _prompts([900], seed=11)
-        for prompt, tokens in zip(prompts, _greedy(float16_llm, prompts)):
-            _assert_transformers_greedy(model, prompt, tokens)
-        checked = "greedy tokens equal transformers' float16 ones"
-        record("dtype", "float16", SUPPORTED, checked)
-        record("head size", "32 (vLLM's Pallas backend pads it to 128)", SUPPORTED, checked)
-        record(CONTEXT, "513-1024 (64)", SUPPORTED, "max_model_len 1024 (page size 64), a "
-               "900-token prompt: " + checked)
+        checked = f"greedy tokens equal transformers' {dtype} ones"
+        record("dtype", dtype, SUPPORTED, checked)
+        record("head size", head_size, SUPPORTED, checked)
+        record(CONTEXT, context, SUPPORTED, f"max_model_len {max_model_len} (page size "
+               f"{page_size}), a {prompt_len}-token prompt: " + checked)
 
 
 @pytest.fixture(scope="class")
