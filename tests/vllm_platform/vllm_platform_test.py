@@ -329,3 +329,19 @@ def test_the_kv_cache_on_the_cpu_stays_within_its_budget(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     assert XlaWorker.determine_available_memory(worker(1 << 20, 1 << 20)) == \
         psutil.virtual_memory().total // 2
+
+
+def test_the_kv_cache_on_a_gpu_leaves_the_profile_runs_peak_and_a_slack():
+    """On a GPU the cache takes the allocator's limit less the profile run's peak (weights and a
+    step's working memory) and GPU_SLACK of the limit; the bytes in use stand in for a peak the
+    plugin does not report; a limit the peak fills leaves no cache rather than a negative one."""
+    from torch_xla_ext.vllm_platform.worker import GPU_SLACK, gpu_kv_cache_bytes
+
+    gib = 1 << 30
+    limit = 100 * gib
+    assert gpu_kv_cache_bytes({"bytes_limit": limit, "bytes_used": 3 * gib,
+                               "peak_bytes_used": 5 * gib}) == limit - 5 * gib - GPU_SLACK * limit
+    assert gpu_kv_cache_bytes({"bytes_limit": limit, "bytes_used": 3 * gib}) == \
+        limit - 3 * gib - GPU_SLACK * limit
+    assert gpu_kv_cache_bytes({"bytes_limit": limit, "bytes_used": limit,
+                               "peak_bytes_used": limit}) == 0

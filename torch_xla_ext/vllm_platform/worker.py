@@ -9,11 +9,12 @@ The worker differs from TPUWorker in:
   the CPU, whose XLA client keeps no allocator statistics (xm.get_memory_info fails there),
   enough for max_num_seqs sequences of max_model_len tokens, within the budget vLLM's own CPU
   backend uses: VLLM_CPU_KVCACHE_SPACE GiB where set, else half the host's memory. On a GPU,
-  TPUWorker's: a profile run, then what the client's allocator limit leaves beside the
-  weights (xm.get_memory_info, the PJRT plugin's statistics). That limit is
-  gpu_memory_utilization of the GPU's memory, as vLLM's users mean it: init_device sets
-  torch_xla's PJRT_ALLOCATOR_FRACTION to it unless the user set it (XLA's own default is
-  0.75), and the share is applied there only. Both log what they chose;
+  after TPUWorker's profile run, what the client's allocator limit leaves beside the profile
+  run's peak, less a slack (gpu_kv_cache_bytes, from xm.get_memory_info: the PJRT plugin's
+  statistics). That limit is gpu_memory_utilization of the GPU's memory, as vLLM's users mean
+  it: init_device sets torch_xla's PJRT_ALLOCATOR_FRACTION to it unless the user set it
+  (XLA's own default is 0.75), and the share is applied there only. Both log what they
+  chose;
 - the model runner (XlaModelRunner) makes the KV cache on the device: vLLM's TPU runner makes
   it with torch.zeros on the host, then moves it, and a cache sized from a GPU's free memory
   (0.9 of an H200's 141 GB) outgrew the host's memory and the engine process was killed;
@@ -82,6 +83,23 @@ def _unpadded_heads(model_config):
         pallas.TPU_HEAD_SIZE_ALIGNMENT = tpu_worker.TPU_HEAD_SIZE_ALIGNMENT = head_size
 
 
+# The share of the GPU allocator's limit that the KV cache leaves free beside the profile run's
+# peak: the allocator's rounding and fragmentation, and the scratch buffers of the compiles
+# that warm-up runs after the cache exists (autotuning), which the profile run does not see.
+GPU_SLACK = 0.02
+
+
+def gpu_kv_cache_bytes(memory):
+    """The KV cache's bytes on a GPU, from the allocator's statistics after the profile run
+    (xm.get_memory_info): its limit less the run's peak, which holds the weights and the
+    largest step's working memory (every later step allocates that again), less GPU_SLACK of
+    the limit. TPUWorker takes the limit less the bytes in use after the run, 2% over: on an
+    H200 that left no room for a step, and the cache's own allocation ran out of memory."""
+    limit = memory["bytes_limit"]
+    peak = max(int(memory.get("peak_bytes_used", 0)), int(memory["bytes_used"]))
+    return max(int(limit - peak - GPU_SLACK * limit), 0)
+
+
 class XlaModelRunner(TPUModelRunner):
 
     def sample_tokens(self, grammar_output):
@@ -139,17 +157,15 @@ class XlaWorker(TPUWorker):
         if self.cache_config.kv_cache_memory_bytes:
             return int(self.cache_config.kv_cache_memory_bytes)
         if xr.device_type() != "CPU":
-            # The allocator's limit is the share already (init_device): TPUWorker's sizing,
-            # which takes gpu_memory_utilization of that limit, takes all of it.
-            utilization = self.cache_config.gpu_memory_utilization
-            self.cache_config.gpu_memory_utilization = 1.0
-            try:
-                available = super().determine_available_memory()
-            finally:
-                self.cache_config.gpu_memory_utilization = utilization
-            logger.info("XLA platform: %.1f GiB of the GPU for the KV cache (allocator limit "
-                        "PJRT_ALLOCATOR_FRACTION=%s)", available / 2**30,
-                        os.environ.get("PJRT_ALLOCATOR_FRACTION"))
+            super().determine_available_memory()  # for its profile run; its sizing is not ours
+            memory = xm.get_memory_info(self.device)
+            available = gpu_kv_cache_bytes(memory)
+            logger.info("XLA platform: %.2f GiB of the GPU for the KV cache: the allocator's "
+                        "limit is %.2f GiB (PJRT_ALLOCATOR_FRACTION=%s), the profile run's peak "
+                        "%.2f GiB, %.2f GiB in use after it", available / 2**30,
+                        memory["bytes_limit"] / 2**30, os.environ.get("PJRT_ALLOCATOR_FRACTION"),
+                        int(memory.get("peak_bytes_used", 0)) / 2**30,
+                        int(memory["bytes_used"]) / 2**30)
             return available
         specs = self.model_runner.get_kv_cache_spec().values()
         blocks = self.scheduler_config.max_num_seqs * cdiv(self.model_config.max_model_len,
