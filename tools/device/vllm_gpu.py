@@ -22,8 +22,8 @@ to the record in FILE:
   decodes at 2k beside 16 new 2k-token prompts prefilled in 512-token chunks), each the mean
   over steps of LLMEngine.step(); startup (process start to the first token, every compile
   included) cold, then again with the persistent compilation cache that start wrote;
-- profile: where the host's time in vLLM's decode step goes: cProfile over B=1 decode steps of
-  1b, with the engine core in the profiled process.
+- profile: where the time of vLLM's decode step goes: B=1 decode steps of 1b with the engine
+  core in the profiled process, timed, then under cProfile with torch_xla's metrics per step.
 """
 
 import argparse
@@ -257,23 +257,47 @@ def run_restart(model, directory):
     return {"start_to_first_token_s": _since_start()}
 
 
+def _per_step_metrics(steps):
+    """torch_xla's metrics since they were cleared, per step: each counter's count, and each
+    timed metric's count and milliseconds."""
+    import torch_xla.debug.metrics as met
+
+    counters = {name: round(met.counter_value(name) / steps, 2) for name in met.counter_names()}
+    timed = {}
+    for name in met.metric_names():
+        data = met.metric_data(name)
+        if data and name.endswith("Time"):  # (count, accumulated ns, samples)
+            timed[name] = {"count": round(data[0] / steps, 2),
+                           "ms": round(data[1] / 1e6 / steps, 3)}
+    return {"counters": counters, "timed": timed}
+
+
 def run_profile(model, directory):
     """In this process, with vLLM's engine core in it too (VLLM_ENABLE_V1_MULTIPROCESSING=0):
-    STEPS decode steps at B=1 and a CONTEXT-token prompt under cProfile; the functions with
-    the most time, own and cumulative, per step."""
+    B=1 decode steps at a CONTEXT-token prompt, STEPS of them timed alone, then STEPS under
+    cProfile (the functions with the most time, own and cumulative) with torch_xla's metrics
+    per step (transfers, executions, syncs)."""
+    import torch_xla.debug.metrics as met
     from bench.torch_xla_step_profile import profile_steps
     from vllm.sampling_params import RequestOutputKind
 
     llm = _llm(model, directory, **SPEED_LIMITS)
     engine = llm.llm_engine
     ids = _add(engine, "profile", _prompts(_config(model)["vocab_size"], [CONTEXT], seed=5),
-               _greedy(WARMUP + 2 * STEPS + 10, output_kind=RequestOutputKind.DELTA))
+               _greedy(WARMUP + 3 * STEPS + 10, output_kind=RequestOutputKind.DELTA))
     _step_until(engine, bool)  # until its prefill gave the first token
     for _ in range(WARMUP):
         engine.step()
+    times = [time.perf_counter()]
+    for _ in range(STEPS):
+        engine.step()
+        times.append(time.perf_counter())
+    met.clear_all()
     ms_per_step, tables = profile_steps(engine.step, STEPS)
+    metrics = _per_step_metrics(STEPS)
     engine.abort_request(list(ids))
-    return {"steps": STEPS, "ms_per_step_profiled": round(ms_per_step, 3),
+    return {"steps": STEPS, "ms_per_step": _mean_ms(times),
+            "ms_per_step_profiled": round(ms_per_step, 3), "torch_xla_per_step": metrics,
             "top": {order: [line for line in text.splitlines() if line.strip()][-26:]
                     for order, text in tables.items()}}
 
@@ -437,10 +461,12 @@ def profile(work):
     record = _child("profile", model, _checkpoint(work, model), 900,
                     VLLM_ENABLE_V1_MULTIPROCESSING="0")
     ok = "error" not in record
-    print(f"{'PASS' if ok else 'FAIL'} profile {model}: {record.get('ms_per_step_profiled')} ms "
-          f"per profiled B=1 step; {record.get('error', '')}", flush=True)
+    print(f"{'PASS' if ok else 'FAIL'} profile {model}: {record.get('ms_per_step')} ms per B=1 "
+          f"step, {record.get('ms_per_step_profiled')} under cProfile; {record.get('error', '')}",
+          flush=True)
     if ok:
-        print("\n".join(record["top"]["cumulative"]), flush=True)
+        print("\n".join(record["top"]["tottime"]), flush=True)
+        print(json.dumps(record["torch_xla_per_step"]), flush=True)
     return record, ok
 
 
