@@ -26,6 +26,8 @@
 #              Engine (VLLM_MODELS picks), `vllm serve` under load, the 1B model's step
 #              times and startup, and (VLLM_PHASES=profile) a cProfile of its decode step
 #              -> $OUT/$GPU-vllm.json
+#            soak: bench/engine_soak.py, 10,000 steps through torch_xla, then through torchax
+#              (SOAK_BACKENDS picks) -> $OUT/$GPU-engine-soak-<backend>.json
 #            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
 #              through torchax beside transformers + torch.compile, in one lease (modes async
 #              and runs) -> $OUT/$GPU-serving-torch-xla.json (both runs);
@@ -40,8 +42,8 @@ TREE=/tmp/torch_xla_gpu
 if [[ $COMMAND == stage ]]; then
   exec .venv/bin/python tools/device/torch_xla_closure.py stage "${@:2}"
 fi
-[[ $COMMAND == run && $PHASE =~ ^(proof|legacy|vllm|bench)$ ]] || {
-  echo "usage: $0 stage [--vllm] | run [proof|legacy|vllm|bench]" >&2; exit 2; }
+[[ $COMMAND == run && $PHASE =~ ^(proof|legacy|vllm|soak|bench)$ ]] || {
+  echo "usage: $0 stage [--vllm] | run [proof|legacy|vllm|soak|bench]" >&2; exit 2; }
 
 OUT="${OUT:-bench/results}"
 GPU="${GPU:-h100}"
@@ -49,7 +51,7 @@ mkdir -p "$OUT"
 LOG="$OUT/$GPU-torch-xla-gpu.txt"
 [[ $PHASE == bench ]] && LOG=/tmp/torch-xla-bench.txt
 [[ $PHASE == legacy ]] && LOG="$OUT/$GPU-torch-xla-legacy.txt"
-[[ $PHASE == vllm ]] && LOG=/tmp/vllm-gpu.txt
+[[ $PHASE == vllm || $PHASE == soak ]] && LOG=/tmp/$PHASE-gpu.txt
 : > "$LOG"
 step() { echo "== $*" | tee -a "$LOG"; }
 status=0
@@ -116,6 +118,21 @@ elif [[ $PHASE == vllm ]]; then
     --models "${VLLM_MODELS:-tiny,1b}" --out "$OUT/$GPU-vllm.json" > /tmp/vllm-gpu-full.txt 2>&1 || status=1
   grep -E "^(PASS|FAIL)|Error" /tmp/vllm-gpu-full.txt | tail -20 | tee -a "$LOG"
   cp /tmp/vllm-gpu-full.txt "$OUT/$GPU-vllm-log.txt"
+elif [[ $PHASE == soak ]]; then
+  for backend in ${SOAK_BACKENDS:-torch_xla torchax}; do
+    soak=(bench/engine_soak.py --backend "$backend" --steps "${SOAK_STEPS:-10000}"
+          --out "$OUT/$GPU-engine-soak-${backend/_/-}.json")
+    if [[ $backend == torch_xla ]]; then
+      step "soak, PJRT_DEVICE=GPU, staged torch_xla: ${soak[*]}"
+      run_soak=("${STAGED[@]}")
+    else
+      build_torch_extension env
+      step "soak, the machine's torch and JAX: ${soak[*]}"
+      run_soak=("${MACHINE[@]}" JAX_PLATFORMS=cuda)
+    fi
+    timeout "${SOAK_TIMEOUT:-400}" "${run_soak[@]}" python3 "${soak[@]}" > "/tmp/soak-$backend.txt" 2>&1 || status=1
+    grep -E "^\{\"device|^FAIL|Error" "/tmp/soak-$backend.txt" | tail -5 | tee -a "$LOG"
+  done
 elif [[ $PHASE == proof ]]; then
   legacy_flow
   step "check, PJRT_DEVICE=GPU, staged torch_xla: tools/device/torch_xla_gpu_proof.py check"

@@ -272,11 +272,54 @@ def _per_step_metrics(steps):
     return {"counters": counters, "timed": timed}
 
 
+def _us_per_call(call, calls=200):
+    for _ in range(10):
+        call()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return round((time.perf_counter() - start) / calls * 1e6, 1)
+
+
+def _torch_xla_call_costs():
+    """Host microseconds per call of what vLLM's TPU runner calls each step, in this process
+    (its model and caches live: a sync looks at every live tensor)."""
+    import torch
+    import torch_xla
+
+    device = torch_xla.device()
+    ids = torch.zeros(64, dtype=torch.int32)
+    ready = torch.ones(4, device=device)
+    torch_xla.sync(wait=True)
+    return {"sync_nothing_pending": _us_per_call(lambda: torch_xla.sync(wait=False)),
+            "to_device_int32x64": _us_per_call(lambda: ids.to(device)),
+            "tensor_on_device": _us_per_call(
+                lambda: torch.tensor([3], dtype=torch.int32, device=device)),
+            "cpu_of_a_ready_tensor": _us_per_call(lambda: ready.cpu())}
+
+
+def _gpu_busy_percent(step, seconds=3.0):
+    """nvidia-smi's utilization (the share of time a kernel ran) while `step()` runs for
+    `seconds`, sampled every 200 ms, first and last samples dropped; None without a GPU."""
+    if os.environ.get("PJRT_DEVICE") != "GPU" or not shutil.which("nvidia-smi"):
+        return None
+    sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu",
+                                "--format=csv,noheader,nounits", "-lms", "200"],
+                               stdout=subprocess.PIPE, text=True)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        step()
+    sampler.terminate()
+    samples = [int(line) for line in sampler.communicate()[0].split() if line.isdigit()]
+    return round(sum(samples[1:-1]) / max(len(samples) - 2, 1), 1) if len(samples) > 2 else None
+
+
 def run_profile(model, directory):
     """In this process, with vLLM's engine core in it too (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     B=1 decode steps at a CONTEXT-token prompt, STEPS of them timed alone, then STEPS under
     cProfile (the functions with the most time, own and cumulative) with torch_xla's metrics
-    per step (transfers, executions, syncs)."""
+    per step (transfers, executions, syncs), then 3 s of them with the GPU's utilization
+    sampled; last, the host cost of single torch_xla calls the step makes."""
     import torch_xla.debug.metrics as met
     from bench.torch_xla_step_profile import profile_steps
     from vllm.sampling_params import RequestOutputKind
@@ -284,7 +327,8 @@ def run_profile(model, directory):
     llm = _llm(model, directory, **SPEED_LIMITS)
     engine = llm.llm_engine
     ids = _add(engine, "profile", _prompts(_config(model)["vocab_size"], [CONTEXT], seed=5),
-               _greedy(WARMUP + 3 * STEPS + 10, output_kind=RequestOutputKind.DELTA))
+               _greedy(SPEED_LIMITS["max_model_len"] - CONTEXT - 1,
+                       output_kind=RequestOutputKind.DELTA))
     _step_until(engine, bool)  # until its prefill gave the first token
     for _ in range(WARMUP):
         engine.step()
@@ -295,9 +339,14 @@ def run_profile(model, directory):
     met.clear_all()
     ms_per_step, tables = profile_steps(engine.step, STEPS)
     metrics = _per_step_metrics(STEPS)
+    busy = _gpu_busy_percent(engine.step)
     engine.abort_request(list(ids))
+    while engine.has_unfinished_requests():
+        engine.step()
     return {"steps": STEPS, "ms_per_step": _mean_ms(times),
             "ms_per_step_profiled": round(ms_per_step, 3), "torch_xla_per_step": metrics,
+            "gpu_busy_percent": busy, "host_us_per_call": _torch_xla_call_costs(),
+            **_cache(llm, model),
             "top": {order: [line for line in text.splitlines() if line.strip()][-26:]
                     for order, text in tables.items()}}
 
@@ -466,7 +515,8 @@ def profile(work):
           flush=True)
     if ok:
         print("\n".join(record["top"]["tottime"]), flush=True)
-        print(json.dumps(record["torch_xla_per_step"]), flush=True)
+        print(json.dumps({k: record[k] for k in ("torch_xla_per_step", "gpu_busy_percent",
+                                                 "host_us_per_call")}), flush=True)
     return record, ok
 
 
