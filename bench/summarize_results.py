@@ -46,7 +46,8 @@ KINDS = {
     "kv-cache": "bench/kv_cache_bench.py (`tools/device/run.sh kv_cache` on the GPU)",
     "eager-overhead": "bench/eager_overhead.py --device cpu|cuda",
     r"tp(?P<tp>[0-9]+)": "`tools/device/run.sh tp1` / `tp2`: bench/tp_bench.py",
-    r"engine-soak-(?P<backend>[a-z-]+)": "bench/engine_soak.py --steps 10000 on the dev machine",
+    r"engine-soak-(?P<backend>[a-z-]+)": "bench/engine_soak.py --steps 10000 (on the GPU machine: "
+                                         "`tools/device/torch_xla_gpu.sh run soak`)",
     "torch-xla-gpu": "`tools/device/torch_xla_gpu.sh run proof`",
     "torch-xla-gpu-tests": "`tools/device/torch_xla_gpu.sh run proof`: the torch_xla and engine tests",
     "torch-xla-legacy": "`tools/device/torch_xla_gpu.sh run legacy` (and `proof`): the guides' "
@@ -422,15 +423,23 @@ def engine_soak(files):
     for f in files:
         d = f.data
         counts, rss, buffers = d["counts"], d["rss_mib"], d["live_buffers"]
-        rows.append([d.get("backend"), counts["steps"], fmt(d.get("seconds")), counts["requests"],
-                     counts["finished"], counts["aborted"], counts["tokens"],
+        device = d.get("device_mib")
+        solo = (f"{len(d['solo_mismatches'])} of {d['solo_checked']}" if "solo_checked" in d
+                else "not checked")
+        rows.append([d.get("backend"), d.get("device", "CPU"), counts["steps"],
+                     fmt(d.get("seconds")), counts["requests"], counts["finished"],
+                     counts["aborted"], counts.get("refused", 0), counts["tokens"], solo,
                      f"{fmt(rss['first'])} -> {fmt(rss['last'])} ({rss['change']:+.1f})",
-                     f"{buffers['first']} -> {buffers['last']} ({buffers['change']:+d})"])
-    lines = [f"{', '.join(f'`{f.name}`' for f in files)} (the dev machine's CPU): "
-             f"{files[0].description()}. Memory and live buffers: first and last sample "
-             "after the first tenth of the run.", ""]
-    return lines + table(["backend", "steps", "seconds", "requests", "finished", "aborted",
-                          "tokens", "host RSS MiB", "live device buffers"], rows)
+                     f"{buffers['first']} -> {buffers['last']} ({buffers['change']:+d})",
+                     f"{fmt(device['first'])} -> {fmt(device['last'])} ({device['change']:+.1f})"
+                     if device else "–"])
+    lines = [f"{', '.join(f'`{f.name}`' for f in files)}: {files[0].description()}. Memory and "
+             "live buffers: first and last sample after the first tenth of the run; device "
+             "memory from the GPU allocator's statistics. Solo: finished requests whose tokens "
+             "differ from the same request run alone, of those checked.", ""]
+    return lines + table(["backend", "device", "steps", "seconds", "requests", "finished",
+                          "aborted", "refused", "tokens", "solo: differ", "host RSS MiB",
+                          "live device buffers", "device MiB"], rows)
 
 
 def torch_xla_gpu(f):
@@ -485,6 +494,20 @@ def vllm_on_xla(f):
                          fmt(c.get("xla_ext_torch_xla_ms"), 2),
                          fmt(c.get("hf_compile_reduce_overhead_ms"), 2),
                          fmt(c.get("vllm_over_engine_best"), 2)] for c in d["compared"]])
+    profile = d.get("profile")
+    if profile and "error" not in profile:
+        per_step = profile.get("torch_xla_per_step", {})
+        timed, busy = per_step.get("timed", {}), profile.get("gpu_busy_percent")
+        costs = profile.get("host_us_per_call", {})
+        lines += ["", f"Where vLLM's B=1 decode step goes (1B bf16, {profile.get('num_gpu_blocks')} "
+                  f"blocks of {profile.get('block_size')} tokens): {fmt(profile.get('ms_per_step'), 2)} "
+                  f"ms per step; the GPU busy {fmt(busy)}% of the time "
+                  f"({fmt(busy * profile['ms_per_step'] / 100 if busy else None, 2)} ms per step); "
+                  f"per step {fmt(timed.get('ExecuteTime', {}).get('count'))} executions, "
+                  f"{fmt(timed.get('TransferToDeviceTime', {}).get('count'))} transfers to the "
+                  f"device, {fmt(per_step.get('counters', {}).get('MarkStep'))} syncs; host µs per "
+                  "call: " + ", ".join(f"{k.replace('_', ' ')} {fmt(v)}" for k, v in costs.items())
+                  + "."]
     return lines
 
 
