@@ -29,6 +29,7 @@ to the record in FILE:
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -371,7 +372,19 @@ def _child(what, model, directory, timeout, **env):
                 if "Error" in line or "error" in line or "Traceback" in line][-12:]
         return {"error": f"exit {result.returncode}", "stderr_tail": tail or
                 result.stderr.splitlines()[-20:], "wall_s": round(time.time() - tic, 1)}
-    return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": round(time.time() - tic, 1)}
+    return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": round(time.time() - tic, 1),
+            "start_log": _start_lines(result.stdout + result.stderr)}
+
+
+# vLLM's log lines that time its start: weight loading, the TPU runner's warm-up compiles per
+# function, the engine's initialisation.
+START_LINE = re.compile(r"Loading weights took|Compiling \S+ with|Compiling the model|"
+                        r"Compilation finished in|init engine .* took|KV cache size|XLA platform:")
+
+
+def _start_lines(log):
+    return [re.sub(r"^.*?\] ", "", line)[:200] for line in log.splitlines()
+            if START_LINE.search(line)]
 
 
 def _divergence(got, want, top2=None):
