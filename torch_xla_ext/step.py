@@ -34,13 +34,18 @@ cache), holds no buffer afterwards, and torch_xla aborts the process when it is 
 ("PjRt buffer is null") or crashes when a later graph takes it as an input. Once a failure has
 been raised in the process, the read hooks and `_xla_sync_multi` first look at the buffers the
 read or graph would use (`_refuse_lost_buffers`), and one that holds none raises
-TorchXlaExtError naming the failure that lost it. Not covered: `xm.mark_step()` over pending
-work that uses such a tensor (it takes every live tensor, whose inputs are not looked at).
+TorchXlaExtError naming the failure that lost it. A step marker (`torch_xla.sync()`,
+`xm.mark_step()`) runs every live tensor's pending graph: after a failure that left tensors
+without a value (found among those Python holds when it is raised), it first looks at the
+pending tensors Python holds the same way, until none takes a lost buffer and no lost tensor
+lives. Not covered: a pending graph only torch_xla's C++ holds.
 """
 
 import contextlib
 import functools
+import gc
 import warnings
+import weakref
 
 import torch
 
@@ -55,6 +60,10 @@ _sync_multi = None  # and wrapped by _launch_reporting_once
 _get_cpu_tensors = None  # torch_xla's _xla_get_cpu_tensors, wrapped by _read_reporting_once
 _lock_anchors = {}  # XLA device -> a scalar held as device data on it
 _last_failure = None  # the message of the last failure raised, once there was one
+# The tensors failed graphs left without a value, while they live, by id (a tensor's == is
+# elementwise, which a WeakSet would call).
+_lost = weakref.WeakValueDictionary()
+_check_pending = False  # step markers look at pending graphs (after a failure that lost tensors)
 
 
 def _xla_device(values):
@@ -86,26 +95,70 @@ def _take_device_lock(device):
     return None
 
 
-def _refuse_lost_buffers(tensors):
-    """After a failure: raises if a graph computing `tensors` (or reading them) would use a
-    buffer that a failed graph left empty, dropping the copy of a failure the device lock may
-    hold (as a read that raises does)."""
-    if _last_failure is None:
-        return
+def _xla_tensors():
+    """The XLA tensors Python holds (the garbage collector's view: slow, for after a failure)."""
+    return [obj for obj in gc.get_objects()
+            if issubclass(type(obj), torch.Tensor) and obj.device.type == "xla"]
+
+
+def _holds_no_value(tensor):
+    """Whether `tensor` is data whose buffer is gone (not a pending graph, which has none yet)."""
+    import torch_xla
+
+    info = torch_xla._XLAC._get_xla_tensor_debug_info(tensor)
+    return "Data Handle: None" in info and "XLAData: None" not in info
+
+
+def _refuse_pending_over_lost(args, kwargs):
+    """A step marker's check (it runs every live tensor's pending graph, and torch_xla crashes
+    the process on one that takes a buffer a failed graph lost): after a failure that lost
+    tensors, raises if a pending tensor Python holds takes one. Once none does and no lost
+    tensor lives, step markers stop looking. Returns no tensors for the launch to check."""
+    global _check_pending
+    if not _check_pending:
+        return []
+    if _take_lost_buffers(_pending_tensors()):
+        gc.collect()  # what the garbage collector holds may be garbage: a failed call's frames
+        pending = [t for t in _pending_tensors() if _take_lost_buffers([t])]
+        if pending:
+            _refuse_lost_buffers(pending)
+    _check_pending = bool(_lost)
+    return []
+
+
+def _pending_tensors():
+    import torch_xla
+
+    tensors = _xla_tensors()
+    needs = torch_xla._XLAC._check_tensor_need_materialization(tensors) if tensors else []
+    return [t for t, pending in zip(tensors, needs) if pending]
+
+
+def _take_lost_buffers(tensors):
+    """Whether a graph computing `tensors` (or reading them) would take a buffer that a failed
+    graph left empty."""
     import torch_xla
 
     tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
     if not tensors:
-        return
+        return False
     _, inputs = torch_xla._XLAC._get_tensors_xla_device_data_node(tensors)
-    if any("Data Handle: None" in torch_xla._XLAC._get_xla_tensor_debug_info(t)
-           for t in inputs):
-        error = TorchXlaExtError(
-            "a tensor this needs holds no value: a graph that was to compute it, or update it "
-            f"in place (a KV cache), failed ({_last_failure}). Make it again (copy a cache from "
-            "its source) before using it.")
-        _drop_stored_copy(error, tensors[0].device)
-        raise error
+    return any("Data Handle: None" in torch_xla._XLAC._get_xla_tensor_debug_info(t)
+               for t in inputs)
+
+
+def _refuse_lost_buffers(tensors):
+    """After a failure: raises if a graph computing `tensors` (or reading them) would use a
+    buffer that a failed graph left empty, dropping the copy of a failure the device lock may
+    hold (as a read that raises does)."""
+    if _last_failure is None or not _take_lost_buffers(tensors):
+        return
+    error = TorchXlaExtError(
+        "a tensor this needs holds no value: a graph that was to compute it, or update it "
+        f"in place (a KV cache), failed ({_last_failure}). Make it again (copy a cache from "
+        "its source) before using it, and let go of pending tensors computed from it.")
+    _drop_stored_copy(error, _xla_device([tensors]))
+    raise error
 
 
 def _drop_stored_copy(error, device):
@@ -120,8 +173,11 @@ def _drop_stored_copy(error, device):
 
 
 def _remember(error):
-    global _last_failure
+    """Keeps the failure's message, and which tensors it left without a value."""
+    global _last_failure, _check_pending
     _last_failure = str(error).splitlines()[0] if str(error) else type(error).__name__
+    _lost.update((id(t), t) for t in _xla_tensors() if _holds_no_value(t))
+    _check_pending = _check_pending or bool(_lost)
 
 
 def _read_reporting_once(read):
@@ -209,7 +265,7 @@ def install_failure_hooks():
     _XLAC._xla_sync_multi = _sync_multi
     _XLAC._xla_get_cpu_tensors = _get_cpu_tensors
     _XLAC._xla_step_marker = _launch_reporting_once(_XLAC._xla_step_marker, _step_marker_device,
-                                                    lambda args, kwargs: [])
+                                                    _refuse_pending_over_lost)
     library = torch.library.Library("aten", "IMPL")
     to_copy = _to_copy_kernel(torch.library.get_kernel("aten::_to_copy", "XLA"))
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended

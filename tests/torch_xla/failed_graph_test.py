@@ -227,23 +227,38 @@ try:
     cache.cpu()
 except Exception as e:
     print("first:", type(e).__name__, str(e).splitlines()[0])
+pending = None
+
+
+def sync_over_pending():  # a step marker runs every pending graph, this one over the cache
+    global pending
+    pending = cache * 2 + 1
+    torch_xla.sync()
+
+
 use = {"read": lambda: cache.cpu(), "equal": lambda: torch.equal(cache.cpu(), base),
-       "new graph": lambda: (cache * 2 + 1).sum().item()}[sys.argv[1]]
+       "new graph": lambda: (cache * 2 + 1).sum().item(),
+       "sync over pending work": sync_over_pending}[sys.argv[1]]
 try:
     use()
     print("then: no error")
 except torch_xla_ext.TorchXlaExtError as e:
     print("then:", str(e))
+del cache, use
+pending = None
+torch_xla.sync()  # nothing left takes the lost buffer
 print("next:", (torch.ones(3, device=dev) * 2).cpu().tolist())
 """
 
 
-@pytest.mark.parametrize("use", ["read", "equal", "new graph"])
+@pytest.mark.parametrize("use", ["read", "equal", "new graph", "sync over pending work"])
 def test_a_cache_a_failed_graph_left_empty_raises_naming_the_failure(use):
     """The issue's repro: the cache the failed graph was to update in place holds no buffer.
-    Read again, compared, or used in a new graph, it raises a clear error naming the failure
-    (torch_xla alone aborts the process, or crashes it), and the next graph runs. Each case
-    in its own process, so that a crash fails the test instead of the run."""
+    Read again, compared, used in a new graph, or taken by pending work that a step marker
+    (`torch_xla.sync()`, `xm.mark_step()`) runs, it raises a clear error naming the failure
+    (torch_xla alone aborts the process, or crashes it); once the cache and the work over it
+    are let go, the next step marker and graph run. Each case in its own process, so that a
+    crash fails the test instead of the run."""
     import os
     import subprocess
     import sys
