@@ -97,8 +97,16 @@ def _take_device_lock(device):
 
 def _xla_tensors():
     """The XLA tensors Python holds (the garbage collector's view: slow, for after a failure)."""
-    return [obj for obj in gc.get_objects()
-            if issubclass(type(obj), torch.Tensor) and obj.device.type == "xla"]
+    return [obj for obj in gc.get_objects() if _is_xla_tensor(obj)]
+
+
+def _is_xla_tensor(obj):
+    if not issubclass(type(obj), torch.Tensor):  # type(): an object's own __class__ may warn
+        return False
+    try:
+        return obj.device.type == "xla"
+    except Exception:  # a tensor subclass whose device cannot be told is not ours to check
+        return False
 
 
 def _holds_no_value(tensor):
