@@ -38,7 +38,9 @@ TorchXlaExtError naming the failure that lost it. A step marker (`torch_xla.sync
 `xm.mark_step()`) runs every live tensor's pending graph: after a failure that left tensors
 without a value (found among those Python holds when it is raised), it first looks at the
 pending tensors Python holds the same way, until none takes a lost buffer and no lost tensor
-lives. Not covered: a pending graph only torch_xla's C++ holds.
+lives. That look walks the Python heap (about 0.2 s in a process that imported transformers),
+at each step marker while a lost tensor lives: let lost tensors go, or make them again. Not
+covered: a pending graph only torch_xla's C++ holds.
 """
 
 import contextlib
