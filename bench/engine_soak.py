@@ -133,17 +133,19 @@ def soak(args):
     counts = collections.Counter()
     samples = []
 
+    def state():  # what a refused request must leave as it was: pages, queues
+        return (engine.allocator.num_free, len(engine.scheduler.running),
+                len(engine.scheduler.waiting))
+
     def refuse(request, argument):
-        free, running = engine.allocator.num_free, len(engine.scheduler.running)
-        waiting = len(engine.scheduler.waiting)
+        before = state()
         try:
             engine.add_request(*request)
         except TorchXlaExtError as e:
             assert argument in str(e), (argument, str(e))
         else:
             raise AssertionError(f"a bad request was accepted: {request!r:.200}")
-        assert (engine.allocator.num_free, len(engine.scheduler.running),
-                len(engine.scheduler.waiting)) == (free, running, waiting), "a refusal changed the engine"
+        assert state() == before, "a refusal changed the engine"
         counts["refused"] += 1
 
     def abort(seq_id):

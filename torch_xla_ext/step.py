@@ -129,9 +129,7 @@ def _refuse_pending_over_lost(args, kwargs):
         return []
     if _take_lost_buffers(_pending_tensors()):
         gc.collect()  # what the garbage collector holds may be garbage: a failed call's frames
-        pending = [t for t in _pending_tensors() if _take_lost_buffers([t])]
-        if pending:
-            _refuse_lost_buffers(pending)
+        _refuse_lost_buffers(_pending_tensors())
     _check_pending = bool(_lost)
     return []
 
@@ -149,12 +147,11 @@ def _take_lost_buffers(tensors):
     graph left empty."""
     import torch_xla
 
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    tensors = [t for t in tensors if _is_xla_tensor(t)]
     if not tensors:
         return False
     _, inputs = torch_xla._XLAC._get_tensors_xla_device_data_node(tensors)
-    return any("Data Handle: None" in torch_xla._XLAC._get_xla_tensor_debug_info(t)
-               for t in inputs)
+    return any(_holds_no_value(t) for t in inputs)
 
 
 def _refuse_lost_buffers(tensors):

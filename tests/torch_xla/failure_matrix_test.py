@@ -34,18 +34,24 @@ _CASE = textwrap.dedent('''
         return t.to(dev) + 0
 
 
+    def paged_inputs():
+        return sample_inputs.paged_attention([5, 30], 8, 2, 64, 16, torch.float32)
+
+
+    def ragged_inputs():
+        return sample_inputs.ragged_paged_attention(**sample_inputs.MIXED_BATCH, num_q_heads=8,
+                                                    num_kv_heads=2, head_dim=64, page_size=16,
+                                                    dtype=torch.float32)
+
+
     def paged(**change):
-        inputs = sample_inputs.paged_attention([5, 30], 8, 2, 64, 16, torch.float32)
-        on = {k: v.to(dev) for k, v in inputs.items()}
+        on = {k: v.to(dev) for k, v in paged_inputs().items()}
         return on, lambda: torch.ops.xla_ext.paged_attention(
             **{**on, **{k: in_graph(v) for k, v in change.items()}}, scale=0.1)
 
 
     def ragged(fused=False, **change):
-        inputs = sample_inputs.ragged_paged_attention(**sample_inputs.MIXED_BATCH, num_q_heads=8,
-                                                      num_kv_heads=2, head_dim=64, page_size=16,
-                                                      dtype=torch.float32)
-        on = {k: v.to(dev) for k, v in inputs.items()}
+        on = {k: v.to(dev) for k, v in ragged_inputs().items()}
         rows = on["q"].shape[0]
         key = torch.randn(rows, 2, 64).to(dev)
         slots = torch.full((rows,), -1, dtype=torch.int32)
@@ -86,8 +92,8 @@ _CASE = textwrap.dedent('''
                     16, 8))
             return write, [("kv_cache", cache)], [("new_kv", new)], r"cache_start\\[1\\] = 63"
         if name == "paged_attention, a block id past the cache":
-            on, run = paged(block_tables=sample_inputs.paged_attention(
-                [5, 30], 8, 2, 64, 16, torch.float32)["block_tables"].index_fill(1, torch.tensor([1]), 99))
+            on, run = paged(block_tables=paged_inputs()["block_tables"].index_fill(
+                1, torch.tensor([1]), 99))
             return run, [], [("key_cache", on["key_cache"]), ("query", on["query"])], r"block_tables"
         if name == "paged_attention, a length past the table":
             on, run = paged(seq_lens=torch.tensor([5, 300], dtype=torch.int32))
@@ -99,10 +105,7 @@ _CASE = textwrap.dedent('''
             on, run = ragged(num_seqs=torch.tensor([99], dtype=torch.int32))
             return run, [], [("kv_pages", on["kv_pages"])], r"num_seqs"
         if name == "ragged_paged_attention, a length past its pages":
-            inputs = sample_inputs.ragged_paged_attention(**sample_inputs.MIXED_BATCH, num_q_heads=8,
-                                                          num_kv_heads=2, head_dim=64, page_size=16,
-                                                          dtype=torch.float32)
-            lens = inputs["kv_lens"].clone()
+            lens = ragged_inputs()["kv_lens"].clone()
             lens[2] = 10_000
             on, run = ragged(kv_lens=lens)
             return run, [], [("kv_pages", on["kv_pages"])], r"kv_lens"
@@ -113,9 +116,7 @@ _CASE = textwrap.dedent('''
 
 
     def on_cpu_pages(bad):
-        pages = sample_inputs.ragged_paged_attention(**sample_inputs.MIXED_BATCH, num_q_heads=8,
-                                                     num_kv_heads=2, head_dim=64, page_size=16,
-                                                     dtype=torch.float32)["page_indices"].clone()
+        pages = ragged_inputs()["page_indices"].clone()
         pages[1, 0] = bad
         return pages
 
