@@ -373,7 +373,7 @@ def _child(what, model, directory, timeout, **env):
         return {"error": f"exit {result.returncode}", "stderr_tail": tail or
                 result.stderr.splitlines()[-20:], "wall_s": round(time.time() - tic, 1)}
     return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": round(time.time() - tic, 1),
-            "start_log": _start_lines(result.stdout + result.stderr)}
+            "start_log": _start_lines(result.stdout + result.stderr, tic)}
 
 
 # vLLM's log lines that time its start: weight loading, the TPU runner's warm-up compiles per
@@ -382,9 +382,21 @@ START_LINE = re.compile(r"Loading weights took|Compiling \S+ with|Compiling the 
                         r"Compilation finished in|init engine .* took|KV cache size|XLA platform:")
 
 
-def _start_lines(log):
-    return [re.sub(r"^.*?\] ", "", line)[:200] for line in log.splitlines()
-            if START_LINE.search(line)]
+def _start_lines(log, t0):
+    """START_LINE's lines, each as "+S s message": S, the seconds since the child started, from
+    vLLM's own time stamp (local time, to the second)."""
+    lines = []
+    for line in log.splitlines():
+        if not START_LINE.search(line):
+            continue
+        stamp = re.search(r"(\d\d-\d\d \d\d:\d\d:\d\d)", line)
+        message = re.sub(r"^.*?\] ", "", line)[:200]
+        if stamp:
+            year = time.localtime(t0).tm_year
+            at = time.mktime(time.strptime(f"{year}-{stamp.group(1)}", "%Y-%m-%d %H:%M:%S"))
+            message = f"+{round(at - t0)} s {message}"
+        lines.append(message)
+    return lines
 
 
 def _divergence(got, want, top2=None):
