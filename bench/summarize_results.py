@@ -455,6 +455,33 @@ def torch_xla_gpu(f):
     return [line]
 
 
+def _start_breakdown(record):
+    """Where a vLLM start's time went, from its start_log (tools/device/vllm_gpu.py: "+S s"
+    and vLLM's line): the platform's first line, weights loaded, the KV cache sized after the
+    profile run, each warm-up compile, the first token."""
+    marks, compiles, compiling = {}, [], None
+    for line in record.get("start_log", []):
+        at, _, message = line[1:].partition(" s ")
+        if not at.isdigit():
+            continue
+        if message.startswith("XLA platform: KV page size"):
+            marks.setdefault("platform", at)
+        elif message.startswith("Loading weights took"):
+            marks["weights"] = at
+        elif message.startswith("GPU KV cache size"):
+            marks["kv"] = at
+        elif message.startswith("Compiling "):
+            compiling = message.split()[1 if not message.startswith("Compiling the ") else 2]
+        elif message.startswith("Compilation finished in") and compiling:
+            compiles.append(f"{compiling} {fmt(float(message.split()[3]))}")
+    if not marks:
+        return None
+    return (f"first token at {fmt(record.get('start_to_first_token_s'))} s: the platform's first "
+            f"line at {marks.get('platform', NOTHING)} s (imports, the engine's process), weights "
+            f"loaded at {marks.get('weights', NOTHING)} s, the KV cache sized after the profile run "
+            f"at {marks.get('kv', NOTHING)} s, then warm-up compiles (s): {', '.join(compiles)}.")
+
+
 def vllm_on_xla(f):
     d = f.data
     lines = [source_line(f, d.get("note", "")), ""]
@@ -494,6 +521,10 @@ def vllm_on_xla(f):
                          fmt(c.get("xla_ext_torch_xla_ms"), 2),
                          fmt(c.get("hf_compile_reduce_overhead_ms"), 2),
                          fmt(c.get("vllm_over_engine_best"), 2)] for c in d["compared"]])
+    for start in ("cold", "warm_start"):
+        line = _start_breakdown(d.get("startup", {}).get(start, {}))
+        if line:
+            lines += ["", f"vLLM's start ({start.replace('_', ' ')}, a lease of its own): " + line]
     profile = d.get("profile")
     if profile and "error" not in profile:
         per_step = profile.get("torch_xla_per_step", {})
