@@ -155,6 +155,21 @@ class KernelLibrary:
             raise TorchXlaExtError(f"{self.path} exports no {name}: it was built from other "
                                    "sources than this package; rebuild it") from None
 
+    @functools.cached_property
+    def _take_deferred(self):
+        fn = getattr(self._dll, "xla_ext_take_deferred_failure", None)  # since registry.h 2
+        if fn is not None:
+            fn.restype = ctypes.c_uint64
+            fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        return fn, ctypes.create_string_buffer(4096)
+
+    def take_deferred_failure(self):
+        """(calls, the first one's message) of the library's calls that deferred their failure
+        since the last take (registry.h, "A call's failure, deferred"), or None."""
+        fn, message = self._take_deferred
+        calls = fn(message, len(message)) if fn is not None else 0
+        return (calls, message.value.decode(errors="replace")) if calls else None
+
     def targets(self):
         return sorted({k.target for k in self.kernels})
 

@@ -23,7 +23,7 @@ import threading
 import numpy as np
 import torch
 
-from torch_xla_ext import checks, dtypes
+from torch_xla_ext import checks, dtypes, step
 from torch_xla_ext.binders import custom_call_targets
 from torch_xla_ext.dtypes import DTYPES
 from torch_xla_ext.errors import JAX_INSTALL, TorchXlaExtError, import_dependency
@@ -34,6 +34,9 @@ API_VERSION_TYPED_FFI = 4
 API_VERSIONS = (1, 2, 3, 4)
 # torch_xla 2.8's `_xla_gpu_custom_call` always called this target, with the legacy ABI.
 LEGACY_GPU_TARGET = "triton_kernel_call"
+# The attribute that asks a handler registered by XLA_EXT_REGISTER_KERNEL to defer a failure:
+# per result, the operand it updates in place or -1 (kernels/registry/registry.h).
+DEFER_FAILURE = "xla_ext_defer_failure"
 
 # NumPy's float types by their MLIR names: the attribute floats MLIR text is written in.
 _FLOAT_TYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
@@ -240,9 +243,16 @@ def custom_call(inputs, target, output_shapes, output_dtypes, attrs=None, has_si
 
 
 def op_custom_call(inputs, target, output_shapes, output_dtypes, attrs, aliases):
-    """custom_call for the op front ends (ops.py), whose own checks have run."""
-    return _record(_spec(inputs, target, output_shapes, output_dtypes, attrs, False, aliases,
-                         API_VERSION_TYPED_FFI, None, None), inputs)
+    """custom_call for the op front ends (ops.py), whose own checks have run. The call asks
+    its handler to defer a failure (kernels/registry/registry.h), which step.py raises at the
+    next call that waits for the device: so a failure leaves the caches the call updates in
+    place (`aliases`, {result index: operand index}) as they were, not lost with its graph."""
+    in_place = np.array([aliases.get(i, -1) for i in range(len(output_shapes))], dtype=np.int64)
+    results = _record(_spec(inputs, target, output_shapes, output_dtypes,
+                            {**attrs, DEFER_FAILURE: in_place}, False, aliases,
+                            API_VERSION_TYPED_FFI, None, None), inputs)
+    step.note_deferring_call(results, aliases)
+    return results
 
 
 def _spec(inputs, target, output_shapes, output_dtypes, attrs, has_side_effect, aliases,

@@ -41,6 +41,22 @@ pending tensors Python holds the same way, until none takes a lost buffer and no
 lives. That look walks the Python heap (about 0.2 s in a process that imported transformers),
 at each step marker while a lost tensor lives: let lost tensors go, or make them again. Not
 covered: a pending graph only torch_xla's C++ holds.
+
+A failure of one of our ops' calls goes another way, so that the caches it updates in place
+are not lost with the graph. The call asks its handler to defer a failure
+(kernels/registry/registry.h): the handler leaves those caches as they were, its other results
+are garbage, the graph runs to its end, and the calls of our ops after it write nothing until
+the failure is taken. The next hooked call that waits for the device takes it (and
+`step.sync()`, after its wait): it makes every tensor Python holds that the failed graph may
+have computed hold no value, then raises TorchXlaExtError with the handler's message. Those
+tensors are the ones torch_xla numbered from the first result of our ops in a graph not yet
+known to have run well (every value computed since, and every tensor traced since: a tensor
+id rises with each new value, under torch_xla's functionalization (its default) an in-place
+update's too), less the caches' new values
+(note_deferring_call). The caches keep their values from before the failed call and stay
+usable; what was computed before our first call keeps its value. Writes by our calls that ran
+before the failed one in the same graph stay. Under torch.compile (`_run_cached_graph`) the
+graph's results, and so the inputs it updates in place, hold no value after the failure.
 """
 
 import contextlib
@@ -66,6 +82,14 @@ _last_failure = None  # the message of the last failure raised, once there was o
 # elementwise, which a WeakSet would call).
 _lost = weakref.WeakValueDictionary()
 _check_pending = False  # step markers look at pending graphs (after a failure that lost tensors)
+# Where a deferred failure's graph may have begun (see the docstring): the tensor id of the
+# first value our ops computed in graphs launched by step markers or torch.compile and not yet
+# known to have run well, and in the graph traced since the last step marker (which reads may
+# run in part); and the ids of the values our ops wrote in place meanwhile (the caches').
+_first_unchecked = None
+_first_open = None
+_in_place = set()
+_open_results = []  # weak references to our ops' results in the graph traced since then
 
 
 def _xla_device(values):
@@ -179,12 +203,103 @@ def _drop_stored_copy(error, device):
     return stored
 
 
-def _remember(error):
-    """Keeps the failure's message, and which tensors it left without a value."""
+def _remember(error, lost=None):
+    """Keeps the failure's message, and which tensors it left without a value (`lost`, or
+    those Python holds that hold none)."""
     global _last_failure, _check_pending
     _last_failure = str(error).splitlines()[0] if str(error) else type(error).__name__
-    _lost.update((id(t), t) for t in _xla_tensors() if _holds_no_value(t))
+    if lost is None:
+        lost = [t for t in _xla_tensors() if _holds_no_value(t)]
+    _lost.update((id(t), t) for t in lost)
     _check_pending = _check_pending or bool(_lost)
+
+
+def note_deferring_call(results, in_place):
+    """op_custom_call's note of a call that asks its handler to defer a failure: its results
+    (XLA tensors, in order) and the indices of those written in place."""
+    global _first_open
+    import torch_xla
+
+    tensor_id = torch_xla._XLAC._xla_get_tensor_id
+    if _first_open is None:
+        _first_open = tensor_id(results[0])
+    _in_place.update(tensor_id(results[i]) for i in in_place)
+    _open_results.extend(weakref.ref(r) for r in results)
+
+
+def _open_results_pending():
+    """Whether a result of our ops in the graph traced since the last step marker still
+    waits to be computed (torch.compile's trace of a graph leaves none behind)."""
+    import torch_xla
+
+    alive = [r for r in (ref() for ref in _open_results) if r is not None]
+    return bool(alive) and any(torch_xla._XLAC._check_tensor_need_materialization(alive))
+
+
+def _take_deferred_failure():
+    """(calls, the first one's message) that our kernel libraries' calls deferred, or None."""
+    from torch_xla_ext import binders
+
+    taken = [t for t in (library.take_deferred_failure() for library in binders.libraries()) if t]
+    return (sum(calls for calls, _ in taken), taken[0][1]) if taken else None
+
+
+def _raise_deferred_failure(waited_for):
+    """After a wait for graphs on the device, raises the failure a call deferred, once the
+    tensors its graph may have computed hold no value; else notes what ran well. waited_for:
+    "earlier" (before a launch: every graph launched so far), "all" (after a launch that
+    waited: those and its own) or "some" (a read: the graphs that computed what it read)."""
+    global _first_unchecked, _first_open
+    taken = _take_deferred_failure()
+    if taken is None:
+        if waited_for != "some":
+            _first_unchecked = None
+        # Left open by a graph traced and never launched (torch.compile's trace of one).
+        if waited_for != "earlier" and _first_open is not None and not _open_results_pending():
+            _first_open = None
+            _open_results.clear()
+        if _first_open is None and _first_unchecked is None:
+            _in_place.clear()
+        return
+    calls, message = taken
+    starts = [s for s in (_first_unchecked, _first_open) if s is not None]
+    dead = _make_dead(min(starts)) if starts else []
+    _first_unchecked = _first_open = None
+    _in_place.clear()
+    _open_results.clear()
+    later = f"; {calls - 1} later calls of the graph did not run" if calls > 1 else ""
+    error = TorchXlaExtError(
+        f"{message} (a custom call failed when its graph ran, and the graph ran on without it: "
+        f"the tensors it computed hold no value, but for the caches our ops were to update in "
+        f"place, which keep their values unless torch.compile's graph returned them{later})")
+    _remember(error, dead)
+    raise error
+
+
+def _make_dead(first):
+    """Makes every tensor Python holds that torch_xla numbered from `first` on hold no value
+    (a placeholder's), except the caches our ops wrote in place and the lock anchors; returns
+    them. Those are the values that a failed graph may have computed, and the tensors traced
+    after it, which may take them."""
+    import torch_xla
+    from torch_xla.core import xla_builder
+
+    tensor_id = torch_xla._XLAC._xla_get_tensor_id
+    anchors = {id(a) for a in _lock_anchors.values()}
+    dead = []
+    for tensor in _xla_tensors():
+        if id(tensor) in anchors or _holds_no_value(tensor):
+            continue
+        try:
+            number = tensor_id(tensor)
+        except RuntimeError:  # not torch_xla's (torch.compile's fake tensors): holds no data
+            continue
+        if number < first or number in _in_place:
+            continue
+        torch_xla._XLAC._replace_xla_tensor(
+            tensor, xla_builder.create_placeholder_tensor(tensor.shape, tensor.dtype))
+        dead.append(tensor)
+    return dead
 
 
 def _read_reporting_once(read):
@@ -192,19 +307,23 @@ def _read_reporting_once(read):
     def call(*args, **kwargs):
         _refuse_lost_buffers(args[0] if args else [])
         try:
-            return read(*args, **kwargs)
+            values = read(*args, **kwargs)
         except RuntimeError as error:
             _remember(error)
             device = _xla_device(args)
             if device is not None:
                 _drop_stored_copy(error, device)
             raise
+        _raise_deferred_failure("some")  # values a failed graph computed: garbage
+        return values
     return call
 
 
-def _launch_reporting_once(launch, device_of, tensors_of):
+def _launch_reporting_once(launch, device_of, tensors_of, launches_all=False):
+    """launches_all: the launch runs every pending graph (a step marker)."""
     @functools.wraps(launch)
     def call(*args, **kwargs):
+        global _first_unchecked, _first_open
         device = device_of(args, kwargs)
         if device is None:
             return launch(*args, **kwargs)
@@ -216,13 +335,36 @@ def _launch_reporting_once(launch, device_of, tensors_of):
                 "(torch_xla.sync()), raised before this call ran anything: that graph's "
                 "results hold no value; this call's own tensors are as they were.")
             raise earlier
+        _raise_deferred_failure("earlier")
         _refuse_lost_buffers(tensors_of(args, kwargs))
+        if launches_all and _first_open is not None:
+            _first_unchecked = _first_open if _first_unchecked is None else _first_unchecked
+            _first_open = None
+            _open_results.clear()
         try:
-            return launch(*args, **kwargs)
+            result = launch(*args, **kwargs)
         except RuntimeError as error:
             _remember(error)
             _drop_stored_copy(error, device)
             raise
+        if kwargs.get("wait", args[2] if len(args) > 2 else True):
+            _raise_deferred_failure("all")
+        return result
+    return call
+
+
+def _cached_graph_noting(run):
+    """torch_xla's _run_cached_graph (torch.compile's graphs), noting where its results begin
+    (see _first_unchecked): a failure one of its calls deferred makes them hold no value."""
+    @functools.wraps(run)
+    def call(*args, **kwargs):
+        global _first_unchecked
+        results = run(*args, **kwargs)
+        if results and _first_unchecked is None:
+            import torch_xla
+
+            _first_unchecked = torch_xla._XLAC._xla_get_tensor_id(results[0])
+        return results
     return call
 
 
@@ -272,7 +414,8 @@ def install_failure_hooks():
     _XLAC._xla_sync_multi = _sync_multi
     _XLAC._xla_get_cpu_tensors = _get_cpu_tensors
     _XLAC._xla_step_marker = _launch_reporting_once(_XLAC._xla_step_marker, _step_marker_device,
-                                                    _refuse_pending_over_lost)
+                                                    _refuse_pending_over_lost, launches_all=True)
+    _XLAC._run_cached_graph = _cached_graph_noting(_XLAC._run_cached_graph)
     library = torch.library.Library("aten", "IMPL")
     to_copy = _to_copy_kernel(torch.library.get_kernel("aten::_to_copy", "XLA"))
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
@@ -289,6 +432,8 @@ def failures_reported():
     inside the block waited for it."""
     try:
         yield
+    except TorchXlaExtError as e:  # raised here with what it lost already noted
+        raise TorchXlaExtError(f"{STEP_FAILED}{e}") from e
     except RuntimeError as e:
         _remember(e)
         _drop_stored_copy(e, _default_device())
@@ -306,3 +451,4 @@ def sync():
     with failures_reported():
         torch_xla.sync()
         xm.wait_device_ops()
+        _raise_deferred_failure("all")

@@ -2,8 +2,11 @@
 next, unrelated read gets its right values (torch_xla_ext/step.py says why torch_xla 2.9 alone
 raises it again, and what the package hooks).
 
-The failing graph writes a cache through xla_ext.kv_cache_update with slots computed on the
-device, so only the handler sees their values (99, past the cache's 64 slots) when it runs.
+The failing graph calls xla_ext.kv_cache_update's handler with slots computed on the device,
+so only the handler sees their values (99, past the cache's 64 slots) when it runs. It calls
+it as a user's target is called (`custom_call`, which does not ask the handler to defer a
+failure): so the graph fails, as a graph whose user kernel fails does. Our ops' own calls
+defer theirs (failure_matrix_test).
 """
 
 import gc
@@ -45,21 +48,23 @@ def dropped_copies(monkeypatch):
     return dropped
 
 
-def _failing_cache(dev):
-    """A cache whose pending graph fails in the handler, naming its argument. Its inputs are
+def _failing_result(dev):
+    """A result whose pending graph fails in the handler, naming its argument. Its inputs are
     on the device before the graph launches, so that XLA's CPU client runs it at once and
     torch_xla sees it fail (with an input still being computed, the client would run it
     later and leave the error in its results instead)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
+    from torch_xla_ext.custom_call import custom_call
 
     rows = torch.ones(2, 2, 64, device=dev)
     cache = torch.zeros(4, 16, 4, 64, device=dev)
     slots = torch.tensor([1, 99], dtype=torch.int32, device=dev)
     torch_xla.sync()
     xm.wait_device_ops()
-    torch.ops.xla_ext.kv_cache_update(rows, rows, cache, slots + 0)  # `slots + 0`: in the graph
-    return cache
+    (result,) = custom_call([rows, rows, cache, slots + 0], "xla_ext.kv_cache_update",  # `+ 0`:
+                            [cache.shape], [cache.dtype], aliases={0: 2})  # in the graph
+    return result
 
 
 def _unrelated(dev):
@@ -134,9 +139,9 @@ def test_torch_xla_alone_keeps_a_copy_of_a_failure_it_raised(xla_device):
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    cache = _failing_cache(xla_device)
+    result = _failing_result(xla_device)
     with pytest.raises(RuntimeError, match=HANDLER_ERROR):
-        torch_xla._XLAC._xla_sync_multi.__wrapped__([cache], [], wait=True)
+        torch_xla._XLAC._xla_sync_multi.__wrapped__([result], [], wait=True)
     with pytest.raises(RuntimeError, match=HANDLER_ERROR):
         xm.wait_device_ops()  # nothing of it ran: the copy
     xm.wait_device_ops()  # raised once, the copy is gone
@@ -145,9 +150,9 @@ def test_torch_xla_alone_keeps_a_copy_of_a_failure_it_raised(xla_device):
 @pytest.mark.parametrize("way", WAITING_READS)
 def test_a_read_that_waits_raises_the_failure_once(xla_device, dropped_copies, way):
     read, right = WAITING_READS[way]
-    cache = _failing_cache(xla_device)
+    result = _failing_result(xla_device)
     with pytest.raises(RuntimeError, match=HANDLER_ERROR):
-        read(cache)
+        read(result)
     # The failed read left torch_xla's copy of its error in the device lock; the hook took it.
     assert len(dropped_copies) == 1 and "slot_mapping[1] = 99" in dropped_copies[0]
     for _ in range(2):
@@ -175,10 +180,10 @@ LAUNCHES = {"torch_xla.sync()": _sync, "xm.mark_step()": _mark_step}
 def test_a_step_launched_without_waiting_fails_at_the_read_of_its_results(xla_device, way,
                                                                           dropped_copies):
     launch = LAUNCHES[way]
-    cache = _failing_cache(xla_device)
+    result = _failing_result(xla_device)
     launch()  # returns before the graph runs
     with pytest.raises(RuntimeError, match=HANDLER_ERROR):
-        cache.cpu()
+        result.cpu()
     out, want = _unrelated(xla_device)
     launch()
     assert torch.equal(out.cpu(), want)
@@ -191,7 +196,7 @@ def test_the_next_step_raises_an_unseen_failure_before_it_launches(xla_device, w
     tensors (torch_xla alone would take them into the lost graph's fate); launched again,
     they get their right values."""
     launch = LAUNCHES[way]
-    cache = _failing_cache(xla_device)  # noqa: F841  (its graph is pending while it lives)
+    result = _failing_result(xla_device)  # noqa: F841  (its graph is pending while it lives)
     launch()
     out, want = _unrelated(xla_device)
     with pytest.raises(RuntimeError, match=HANDLER_ERROR) as raised:
@@ -215,36 +220,37 @@ def test_reads_to_the_host_keep_dtype_and_values(xla_device):
     assert torch.equal(torch.nonzero(on_device > 0).cpu(), torch.nonzero(x > 0))
 
 
-_LOST_CACHE = """
+_LOST_RESULT = """
 import sys, torch, torch_xla, torch_xla_ext
+from torch_xla_ext.custom_call import custom_call
 dev = torch_xla.device()
-base = torch.randn(4, 16, 4, 64)                     # 64 slots
-cache = base.clone().to(dev)
+cache = torch.randn(4, 16, 4, 64).to(dev)            # 64 slots
 k = torch.randn(2, 2, 64).to(dev)
 slots = torch.tensor([0, 98], dtype=torch.int32).to(dev) + 1   # computed on the device: 99
-torch.ops.xla_ext.kv_cache_update(k, k, cache, slots)
+(result,) = custom_call([k, k, cache, slots], "xla_ext.kv_cache_update", [cache.shape],
+                        [cache.dtype], aliases={0: 2})
 try:
-    cache.cpu()
+    result.cpu()
 except Exception as e:
     print("first:", type(e).__name__, str(e).splitlines()[0])
 pending = None
 
 
-def sync_over_pending():  # a step marker runs every pending graph, this one over the cache
+def sync_over_pending():  # a step marker runs every pending graph, this one over the result
     global pending
-    pending = cache * 2 + 1
+    pending = result * 2 + 1
     torch_xla.sync()
 
 
-use = {"read": lambda: cache.cpu(), "equal": lambda: torch.equal(cache.cpu(), base),
-       "new graph": lambda: (cache * 2 + 1).sum().item(),
+use = {"read": lambda: result.cpu(), "equal": lambda: torch.equal(result.cpu(), cache.cpu()),
+       "new graph": lambda: (result * 2 + 1).sum().item(),
        "sync over pending work": sync_over_pending}[sys.argv[1]]
 try:
     use()
     print("then: no error")
 except torch_xla_ext.TorchXlaExtError as e:
     print("then:", str(e))
-del cache, use
+del result, use
 pending = None
 torch_xla.sync()  # nothing left takes the lost buffer
 print("next:", (torch.ones(3, device=dev) * 2).cpu().tolist())
@@ -252,18 +258,18 @@ print("next:", (torch.ones(3, device=dev) * 2).cpu().tolist())
 
 
 @pytest.mark.parametrize("use", ["read", "equal", "new graph", "sync over pending work"])
-def test_a_cache_a_failed_graph_left_empty_raises_naming_the_failure(use):
-    """The issue's repro: the cache the failed graph was to update in place holds no buffer.
-    Read again, compared, used in a new graph, or taken by pending work that a step marker
-    (`torch_xla.sync()`, `xm.mark_step()`) runs, it raises a clear error naming the failure
-    (torch_xla alone aborts the process, or crashes it); once the cache and the work over it
-    are let go, the next step marker and graph run. Each case in its own process, so that a
-    crash fails the test instead of the run."""
+def test_a_result_a_failed_graph_left_empty_raises_naming_the_failure(use):
+    """The result of a graph that failed holds no buffer. Read again, compared, used in a new
+    graph, or taken by pending work that a step marker (`torch_xla.sync()`, `xm.mark_step()`)
+    runs, it raises a clear error naming the failure (torch_xla alone aborts the process, or
+    crashes it); once the result and the work over it are let go, the next step marker and
+    graph run. Each case in its own process, so that a crash fails the test instead of the
+    run."""
     import os
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", _LOST_CACHE, use], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", _LOST_RESULT, use], capture_output=True,
                             text=True, timeout=300,
                             env=dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU")))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
