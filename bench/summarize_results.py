@@ -50,6 +50,9 @@ KINDS = {
                                          "`tools/device/torch_xla_gpu.sh run soak`)",
     "torch-xla-gpu": "`tools/device/torch_xla_gpu.sh run proof`",
     "torch-xla-gpu-tests": "`tools/device/torch_xla_gpu.sh run proof`: the torch_xla and engine tests",
+    "torch-xla-failures": "`tools/device/torch_xla_gpu.sh run failures`: a serving step's "
+                          "failure path, and the tests of failed graphs, with "
+                          "XLA_EXT_DEBUG_CHECKS=1",
     "torch-xla-legacy": "`tools/device/torch_xla_gpu.sh run legacy` (and `proof`): the guides' "
                         "legacy custom-call flow with an nvcc-built kernel, api_version 1-4",
     "tests": "`tools/device/run.sh tests` (and `bench`, `tp1` and `tp2`, which append to it)",
@@ -639,7 +642,7 @@ SECTIONS = [
 LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),
         (r"sanitize(?:-(?P<tools>[a-z-]+))?", "txt"), ("plugin", "txt"),
         ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("torch-xla-legacy", "txt"),
-        ("serving-summary", "txt")]
+        ("torch-xla-failures", "txt"), ("serving-summary", "txt")]
 PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"),
             (r"ncu-ragged-sass-(?P<table>[0-9]+)", "csv"), ("dispatch-record-probe", "txt"),
             ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt"),

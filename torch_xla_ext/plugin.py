@@ -101,6 +101,7 @@ class CudaPlugin(plugins.DevicePlugin):
 
     def library_path(self):
         load_shim()
+        os.environ["XLA_FLAGS"] = xla_flags(os.environ)
         return SHIM_LIBRARY
 
     def client_create_options(self):
@@ -111,6 +112,20 @@ class CudaPlugin(plugins.DevicePlugin):
 
     def configure_single_process(self):
         pass
+
+
+def xla_flags(environ):
+    """XLA_FLAGS for the plugin's XLA. With XLA_EXT_DEBUG_CHECKS on, every CUDA call must run
+    outside CUDA graphs, where it can synchronise and fail its own step: XLA records a step's
+    custom calls into command buffers (CUDA graphs) even when their handlers say they may not
+    be (seen on the H200 for a torch.compile'd serving step), and a captured call reports a
+    violation only at the next call that is not captured. So command buffers go off, unless
+    XLA_FLAGS sets them itself."""
+    flags = environ.get("XLA_FLAGS", "")
+    debug = environ.get("XLA_EXT_DEBUG_CHECKS", "") not in ("", "0")
+    if debug and "--xla_gpu_enable_command_buffer" not in flags:
+        flags = f"{flags} --xla_gpu_enable_command_buffer=".strip()
+    return flags
 
 
 def allocator_options(environ):

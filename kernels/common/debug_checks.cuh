@@ -12,7 +12,9 @@
 // torch CUDA op) cannot synchronise: its check kernel is captured too and, at each replay,
 // records the first violation it finds; the next call that is not captured (of any op on the
 // device) reports it. The replayed main kernel still runs on that data, with its skip/clamp
-// behaviour. XLA puts no handler into a command buffer in debug mode (debug_checks_flag.h).
+// behaviour. In debug mode no handler is registered as command-buffer compatible
+// (debug_checks_flag.h), yet XLA captured a torch.compile'd step's calls on the H200; so
+// torch_xla_ext turns XLA's command buffers off under torch_xla too (plugin.xla_flags).
 #ifndef XLA_EXT_KERNELS_COMMON_DEBUG_CHECKS_CUH_
 #define XLA_EXT_KERNELS_COMMON_DEBUG_CHECKS_CUH_
 

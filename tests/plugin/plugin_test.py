@@ -111,6 +111,22 @@ def test_a_bad_allocator_variable_is_refused_by_name(variable, value, expected):
     assert str(raised.value) == f"{variable}: expected {expected}, got {value!r}"
 
 
+@pytest.mark.parametrize("environ, flags", [
+    ({}, ""),
+    ({"XLA_FLAGS": "--xla_dump_to=/tmp/d"}, "--xla_dump_to=/tmp/d"),
+    ({"XLA_EXT_DEBUG_CHECKS": "0"}, ""),
+    ({"XLA_EXT_DEBUG_CHECKS": "1"}, "--xla_gpu_enable_command_buffer="),
+    ({"XLA_EXT_DEBUG_CHECKS": "1", "XLA_FLAGS": "--xla_dump_to=/tmp/d"},
+     "--xla_dump_to=/tmp/d --xla_gpu_enable_command_buffer="),
+    ({"XLA_EXT_DEBUG_CHECKS": "1", "XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"},
+     "--xla_gpu_enable_command_buffer=FUSION"),
+])
+def test_debug_checks_turn_xla_command_buffers_off_unless_the_user_sets_them(environ, flags):
+    """A CUDA call captured into a command buffer reports a violation only at the next call
+    that is not captured; in debug mode each call must fail its own step."""
+    assert plugin.xla_flags(environ) == flags
+
+
 def test_torch_xla_raises_our_error_for_a_plugin_of_another_pjrt_version(tmp_path):
     output = start_torch_xla_on_gpu(tmp_path, TORCH_XLA_EXT_PJRT_PLUGIN=FAKE_PLUGIN_0_81)
     assert (f"client start failed: TorchXlaExtError: PJRT_DEVICE=GPU: {FAKE_PLUGIN_0_81} "

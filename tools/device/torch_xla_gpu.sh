@@ -28,6 +28,11 @@
 #              -> $OUT/$GPU-vllm.json
 #            soak: bench/engine_soak.py, 10,000 steps through torch_xla, then through torchax
 #              (SOAK_BACKENDS picks) -> $OUT/$GPU-engine-soak-<backend>.json
+#            failures: with XLA_EXT_DEBUG_CHECKS=1 (the CUDA handlers see bad data and fail),
+#              tools/device/step_failure_probe.py, then the tests of failed graphs
+#              (tests/torch_xla/failure_matrix_test.py, failed_graph_test.py, isolation_test.py,
+#              tests/serving/step_failure_test.py; FAILURES_TESTS=0 leaves them out)
+#              -> $OUT/$GPU-torch-xla-failures.txt
 #            bench: bench/serving_bench.py --impls ours on the 1B model through torch_xla, then
 #              through torchax beside transformers + torch.compile, in one lease (modes async
 #              and runs) -> $OUT/$GPU-serving-torch-xla.json (both runs);
@@ -42,8 +47,8 @@ TREE=/tmp/torch_xla_gpu
 if [[ $COMMAND == stage ]]; then
   exec .venv/bin/python tools/device/torch_xla_closure.py stage "${@:2}"
 fi
-[[ $COMMAND == run && $PHASE =~ ^(proof|legacy|vllm|soak|bench)$ ]] || {
-  echo "usage: $0 stage [--vllm] | run [proof|legacy|vllm|soak|bench]" >&2; exit 2; }
+[[ $COMMAND == run && $PHASE =~ ^(proof|legacy|vllm|soak|failures|bench)$ ]] || {
+  echo "usage: $0 stage [--vllm] | run [proof|legacy|vllm|soak|failures|bench]" >&2; exit 2; }
 
 OUT="${OUT:-bench/results}"
 GPU="${GPU:-h100}"
@@ -51,7 +56,7 @@ mkdir -p "$OUT"
 LOG="$OUT/$GPU-torch-xla-gpu.txt"
 [[ $PHASE == bench ]] && LOG=/tmp/torch-xla-bench.txt
 [[ $PHASE == legacy ]] && LOG="$OUT/$GPU-torch-xla-legacy.txt"
-[[ $PHASE == vllm || $PHASE == soak ]] && LOG=/tmp/$PHASE-gpu.txt
+[[ $PHASE == vllm || $PHASE == soak || $PHASE == failures ]] && LOG=/tmp/$PHASE-gpu.txt
 : > "$LOG"
 step() { echo "== $*" | tee -a "$LOG"; }
 status=0
@@ -133,6 +138,20 @@ elif [[ $PHASE == soak ]]; then
     timeout "${SOAK_TIMEOUT:-400}" "${run_soak[@]}" python3 "${soak[@]}" > "/tmp/soak-$backend.txt" 2>&1 || status=1
     grep -E "^\{\"device|^FAIL|Error" "/tmp/soak-$backend.txt" | tail -5 | tee -a "$LOG"
   done
+elif [[ $PHASE == failures ]]; then
+  RECORD="$OUT/$GPU-torch-xla-failures.txt"
+  step "a serving step's failure, PJRT_DEVICE=GPU, XLA_EXT_DEBUG_CHECKS=1: tools/device/step_failure_probe.py" | tee "$RECORD"
+  timeout 240 "${STAGED[@]}" XLA_EXT_DEBUG_CHECKS=1 python3 tools/device/step_failure_probe.py \
+    2>&1 | grep -E "^(checks|step|held|a later)" | tee -a "$LOG" "$RECORD"
+  if [[ ${FAILURES_TESTS:-1} != 0 ]]; then
+    step "failed graphs, PJRT_DEVICE=GPU, XLA_EXT_DEBUG_CHECKS=1, staged torch_xla" | tee -a "$RECORD"
+    timeout 480 "${STAGED[@]}" XLA_EXT_DEBUG_CHECKS=1 python3 -m pytest -q -p no:cacheprovider \
+      -W ignore::DeprecationWarning tests/torch_xla/failure_matrix_test.py \
+      tests/torch_xla/failed_graph_test.py tests/torch_xla/isolation_test.py \
+      tests/serving/step_failure_test.py > /tmp/failures.txt 2>&1 || status=1
+    grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed)" /tmp/failures.txt | tee -a "$LOG"
+    cat /tmp/failures.txt >> "$RECORD"
+  fi
 elif [[ $PHASE == proof ]]; then
   legacy_flow
   step "check, PJRT_DEVICE=GPU, staged torch_xla: tools/device/torch_xla_gpu_proof.py check"
