@@ -481,7 +481,9 @@ def speed(work):
     shutil.rmtree(cache, ignore_errors=True)
     record = {"model": model, "cold": _child("speed", model, directory, 900,
                                              VLLM_XLA_CACHE_PATH=cache)}
+    record["cold"]["cache_files"] = _count_files(cache)
     record["warm_start"] = _child("restart", model, directory, 600, VLLM_XLA_CACHE_PATH=cache)
+    record["warm_start"]["cache_files"] = _count_files(cache)  # unchanged: every graph was in it
     cold = record["cold"]
     ok = "error" not in cold and "error" not in record["warm_start"]
     print(f"{'PASS' if ok else 'FAIL'} speed {model}: decode ms/step "
@@ -491,6 +493,11 @@ def speed(work):
           f"{record['warm_start'].get('start_to_first_token_s')} s; "
           f"{cold.get('error', '')}{record['warm_start'].get('error', '')}", flush=True)
     return record, ok
+
+
+def _count_files(directory):
+    """The files torch_xla's persistent compilation cache holds under `directory`."""
+    return sum(len(files) for _, _, files in os.walk(directory))
 
 
 def _best_ms(rows, impl, shape):
