@@ -17,7 +17,9 @@
 // XLA_EXT_REGISTER_CHECK("my_add", MyAddCheck). The front ends run the check at the call; the
 // handler may call it too, so that both accept the same calls.
 //
-// then `torch_xla_ext.load_kernels("libmy_kernels.so")`.
+// then `torch_xla_ext.load_kernels("libmy_kernels.so")`. XLA_EXT_REGISTER_KERNEL puts the
+// handler behind DeferringHandler (below), which a call reaches unchanged unless it asks to
+// defer a failure.
 #ifndef XLA_EXT_REGISTRY_H_
 #define XLA_EXT_REGISTRY_H_
 
@@ -120,8 +122,9 @@ struct __attribute__((visibility("hidden"))) Registry {
 // - records the failure for xla_ext_take_deferred_failure() and returns success.
 // The handler itself never sees the attribute. A call without it runs as before.
 //
-// A call runs on a failure held only when it skips the handler: so the calls that follow a
-// failed one in the same execution (the next layers of a step) write nothing either.
+// While a failure is held, a deferring call skips its handler and leaves its results as a
+// failed call does: so the calls after a failed one in the same execution (the next layers of
+// a step) write nothing either.
 namespace xla_ext::registry {
 
 inline constexpr char kDeferFailureAttr[] = "xla_ext_defer_failure";
