@@ -79,6 +79,23 @@ _CASE = textwrap.dedent('''
             return (lambda: torch.ops.xla_ext.kv_cache_update(
                 rows, rows, cache, in_graph(torch.tensor([1, 99], dtype=torch.int32))),
                 [("kv_cache", cache)], [("key", rows)], r"slot_mapping\\[1\\] = 99", "before")
+        if name == "kv_cache_update, a slot past the cache, after torch.compile work":
+            # A process that ran our ops under torch.compile first (whose trace leaves results
+            # that never run), and keeps that work's results: they stay intact too.
+            def compiled_step(k, cache, slots):
+                torch.ops.xla_ext.kv_cache_update(k, k, cache, slots)
+                return torch.ops.xla_ext.simple_add(cache, cache).sum()
+
+            earlier_cache = torch.randn(4, 16, 4, 64).to(dev)
+            total = torch.compile(compiled_step, backend="openxla")(
+                rows, earlier_cache, torch.tensor([3, 4], dtype=torch.int32).to(dev))
+            total.cpu()
+            cache = torch.randn(4, 16, 4, 64).to(dev)
+            return (lambda: torch.ops.xla_ext.kv_cache_update(
+                rows, rows, cache, in_graph(torch.tensor([1, 99], dtype=torch.int32))),
+                [("kv_cache", cache)], [("key", rows), ("compiled result", total),
+                                        ("compiled cache", earlier_cache)],
+                r"slot_mapping\\[1\\] = 99", "before")
         if name == "reshape_and_cache, a slot past the cache":
             key_cache, value_cache = torch.randn(4, 16, 2, 64).to(dev), torch.randn(4, 16, 2, 64).to(dev)
             return (lambda: torch.ops.xla_ext.reshape_and_cache(
@@ -198,6 +215,7 @@ _CASE = textwrap.dedent('''
 
 CASES = [
     "kv_cache_update, a slot past the cache",
+    "kv_cache_update, a slot past the cache, after torch.compile work",
     "reshape_and_cache, a slot past the cache",
     "kv_cache_update_slices, a slice past the cache",
     "paged_attention, a block id past the cache",
