@@ -528,6 +528,15 @@ def vllm_on_xla(f):
         line = _start_breakdown(d.get("startup", {}).get(start, {}))
         if line:
             lines += ["", f"vLLM's start ({start.replace('_', ' ')}, a lease of its own): " + line]
+    for start_kind, r in d.get("start", {}).items():
+        if "error" in r:
+            continue
+        parts = ", ".join(f"{what} {fmt(s)}" for what, s in r.get("cumulative_s", {}).items())
+        lines += ["", f"vLLM's start profiled ({start_kind}, the engine in the process): first "
+                  f"token at {fmt(r.get('start_to_first_token_s'))} s; torch_xla compiled "
+                  f"{r.get('compiles')} graphs in {fmt(r.get('compile_s'))} s; its counters "
+                  f"{r.get('counters')}; {r.get('cache_files')} files in the compilation cache; "
+                  f"cumulative s: {parts}."]
     profile = d.get("profile")
     if profile and "error" not in profile:
         per_step = profile.get("torch_xla_per_step", {})

@@ -24,7 +24,8 @@
 #              check,serve,speed; each fits a call of its own): `LLM` on a tiny float32
 #              checkpoint against transformers and the 1B-class one in bfloat16 against our
 #              Engine (VLLM_MODELS picks), `vllm serve` under load, the 1B model's step
-#              times and startup, and (VLLM_PHASES=profile) a cProfile of its decode step
+#              times and startup, (VLLM_PHASES=profile) a cProfile of its decode step and
+#              (VLLM_PHASES=start) of its start, cold and warm, with torch_xla's compile counts
 #              -> $OUT/$GPU-vllm.json
 #            soak: bench/engine_soak.py, 10,000 steps through torch_xla, then through torchax
 #              (SOAK_BACKENDS picks) -> $OUT/$GPU-engine-soak-<backend>.json

@@ -23,7 +23,11 @@ to the record in FILE:
   over steps of LLMEngine.step(); startup (process start to the first token, every compile
   included) cold, then again with the persistent compilation cache that start wrote;
 - profile: where the time of vLLM's decode step goes: B=1 decode steps of 1b with the engine
-  core in the profiled process, timed, then under cProfile with torch_xla's metrics per step.
+  core in the profiled process, timed, then under cProfile with torch_xla's metrics per step;
+- start: where the time of vLLM's start goes, cold and then with the persistent compilation
+  cache the cold start wrote: each start to its first token under cProfile with the engine
+  core in the process, with torch_xla's compile time and count, its persistent cache's hits
+  and misses, and the time in torch.compile's tracing and in torch_xla's calls that compile.
 """
 
 import argparse
@@ -352,8 +356,52 @@ def run_profile(model, directory):
                     for order, text in tables.items()}}
 
 
+# Where run_start looks for a start's time: (what, the file its function is in (its name's
+# end; "~" for a built-in), the function's name); each is reported with its cumulative seconds.
+START_PARTS = (
+    ("torch.compile's tracing (dynamo)", "convert_frame.py", "_compile"),
+    ("torch_xla's dynamo bridge: graph extraction", "dynamo_bridge.py", "extract_graph_helper"),
+    ("torch_xla: compile or load an executable", "~",
+     "<built-in method torch_xla._XLAC._xla_warm_up_cache>"),
+    ("torch_xla: run a compiled graph", "~", "<built-in method torch_xla._XLAC._run_cached_graph>"),
+    ("vLLM: load the model", "tpu_model_runner.py", "load_model"),
+    ("vLLM: profile run and KV cache", "worker.py", "determine_available_memory"),
+    ("vLLM: warm-up compiles", "tpu_model_runner.py", "capture_model"),
+)
+
+
+def run_start(model, directory):
+    """In this process, with vLLM's engine core in it (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    vLLM's start to its first token under cProfile (see START_PARTS), with torch_xla's
+    metrics: compiles, their time, the persistent cache's hits and misses."""
+    import cProfile
+    import pstats
+
+    import torch_xla.debug.metrics as met
+
+    profile = cProfile.Profile()
+    profile.enable()
+    llm = _llm(model, directory, **SPEED_LIMITS)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], _greedy(1))
+    profile.disable()
+    first_token_s = _since_start()
+    stats = pstats.Stats(profile).stats  # {(file, line, function): (cc, nc, tt, ct, callers)}
+    parts = {}
+    for what, file_end, name in START_PARTS:
+        seconds = [ct for (file, _, function), (_, _, _, ct, _) in stats.items()
+                   if function == name and file.endswith(file_end)]
+        parts[what] = round(max(seconds), 1) if seconds else None
+    compile_time = met.metric_data("CompileTime")  # (count, total ns, samples) or None
+    return {"start_to_first_token_s": first_token_s, "cumulative_s": parts,
+            "compiles": compile_time[0] if compile_time else 0,
+            "compile_s": round(compile_time[1] / 1e9, 1) if compile_time else 0.0,
+            "counters": {name: met.counter_value(name) for name in met.counter_names()
+                         if "PersistentCache" in name or name in ("CachedCompile",)}}
+
+
 CHILDREN = {"vllm": run_vllm, "engine": run_engine, "transformers": run_transformers,
-            "speed": run_speed, "restart": run_restart, "profile": run_profile}
+            "speed": run_speed, "restart": run_restart, "profile": run_profile,
+            "start": run_start}
 
 
 def _child(what, model, directory, timeout, **env):
@@ -536,6 +584,26 @@ def combine(parts, serving_runs):
     return record
 
 
+def start(work):
+    """Where vLLM's start goes, cold and warm (run_start)."""
+    model = "tiny" if os.environ.get("VLLM_GPU_SMOKE") == "1" else "1b"
+    directory = _checkpoint(work, model)
+    cache = os.path.join(work, "xla_cache_start")
+    shutil.rmtree(cache, ignore_errors=True)
+    record = {}
+    for start_kind in ("cold", "warm"):
+        record[start_kind] = _child("start", model, directory, 900, VLLM_XLA_CACHE_PATH=cache,
+                                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        record[start_kind]["cache_files"] = _count_files(cache)
+    ok = all("error" not in r for r in record.values())
+    for start_kind, r in record.items():
+        print(f"{'PASS' if ok else 'FAIL'} start {model} {start_kind}: first token at "
+              f"{r.get('start_to_first_token_s')} s; {r.get('compiles')} compiles, "
+              f"{r.get('compile_s')} s; {r.get('counters')}; {r.get('cumulative_s')}; "
+              f"{r.get('cache_files')} cache files {r.get('error', '')}", flush=True)
+    return record, ok
+
+
 def profile(work):
     """Where the host time of vLLM's decode step goes (run_profile)."""
     model = "tiny" if os.environ.get("VLLM_GPU_SMOKE") == "1" else "1b"
@@ -584,7 +652,8 @@ def main():
         if phase == "check":
             record[phase], ok = check(args.work, args.models.split(","))
         else:
-            record[phase], ok = {"serve": serve, "speed": speed, "profile": profile}[phase](args.work)
+            record[phase], ok = {"serve": serve, "speed": speed, "profile": profile,
+                                 "start": start}[phase](args.work)
         status |= not ok
         if args.out:
             with open(args.out, "w") as f:
