@@ -157,7 +157,8 @@ class KernelLibrary:
 
     @functools.cached_property
     def _take_deferred(self):
-        fn = getattr(self._dll, "xla_ext_take_deferred_failure", None)  # since registry.h 2
+        # Absent from a library built against a registry.h older than deferred failures.
+        fn = getattr(self._dll, "xla_ext_take_deferred_failure", None)
         if fn is not None:
             fn.restype = ctypes.c_uint64
             fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]

@@ -288,13 +288,13 @@ def _make_dead(first):
     anchors = {id(a) for a in _lock_anchors.values()}
     dead = []
     for tensor in _xla_tensors():
-        if id(tensor) in anchors or _holds_no_value(tensor):
+        if id(tensor) in anchors:
             continue
         try:
             number = tensor_id(tensor)
         except RuntimeError:  # not torch_xla's (torch.compile's fake tensors): holds no data
             continue
-        if number < first or number in _in_place:
+        if number < first or number in _in_place or _holds_no_value(tensor):
             continue
         torch_xla._XLAC._replace_xla_tensor(
             tensor, xla_builder.create_placeholder_tensor(tensor.shape, tensor.dtype))

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -158,12 +159,10 @@ struct __attribute__((visibility("hidden"))) DeferredFailures {
   }
 };
 
-constexpr bool IsCudaPlatform(const char* platform) {
-  const char* cuda = "CUDA";
-  while (*platform != '\0' && *platform == *cuda) ++platform, ++cuda;
-  return *platform == *cuda;
-}
+constexpr bool IsCudaPlatform(std::string_view platform) { return platform == "CUDA"; }
 
+// 0 for a dtype whose buffers are not whole bytes per element (not ffi::ByteWidth, which
+// counts the sub-byte types as one byte each): such a call fails instead of deferring.
 inline size_t ByteWidth(XLA_FFI_DataType dtype) {
   switch (dtype) {
     case XLA_FFI_DataType_PRED: case XLA_FFI_DataType_S8: case XLA_FFI_DataType_U8:
@@ -232,6 +231,16 @@ inline bool CanLeaveResults(const XLA_FFI_CallFrame& frame, const InPlaceOperand
   return true;
 }
 
+inline std::string TakeErrorMessage(const XLA_FFI_Api* api, XLA_FFI_Error* error) {
+  XLA_FFI_Error_GetMessage_Args message{XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE, nullptr,
+                                        error, nullptr};
+  api->XLA_FFI_Error_GetMessage(&message);
+  std::string text = message.message != nullptr ? message.message : "";
+  XLA_FFI_Error_Destroy_Args destroy{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr, error};
+  api->XLA_FFI_Error_Destroy(&destroy);
+  return text;
+}
+
 // The stream of a CUDA call that may defer its failure (into `stream`): false where it cannot
 // (this file built without nvcc, or a call captured into a CUDA graph, whose replays would
 // repeat what the capture did, a skip included: it fails as it would without the attribute).
@@ -241,10 +250,8 @@ bool CanDefer(const XLA_FFI_CallFrame& frame, void** stream) {
 #ifdef __CUDACC__
     XLA_FFI_Stream_Get_Args args{XLA_FFI_Stream_Get_Args_STRUCT_SIZE, nullptr, frame.ctx,
                                  nullptr};
-    XLA_FFI_Error* error = frame.api->XLA_FFI_Stream_Get(&args);
-    if (error != nullptr) {
-      XLA_FFI_Error_Destroy_Args destroy{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr, error};
-      frame.api->XLA_FFI_Error_Destroy(&destroy);
+    if (XLA_FFI_Error* error = frame.api->XLA_FFI_Stream_Get(&args)) {
+      TakeErrorMessage(frame.api, error);
       return false;
     }
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -294,16 +301,6 @@ bool LeaveResults(const XLA_FFI_CallFrame& frame, const InPlaceOperands& in_plac
   }
   (void)stream;
   return true;
-}
-
-inline std::string TakeErrorMessage(const XLA_FFI_Api* api, XLA_FFI_Error* error) {
-  XLA_FFI_Error_GetMessage_Args message{XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE, nullptr,
-                                        error, nullptr};
-  api->XLA_FFI_Error_GetMessage(&message);
-  std::string text = message.message != nullptr ? message.message : "";
-  XLA_FFI_Error_Destroy_Args destroy{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr, error};
-  api->XLA_FFI_Error_Destroy(&destroy);
-  return text;
 }
 
 // What XLA_EXT_REGISTER_KERNEL registers for HANDLER (see the top of this part).
