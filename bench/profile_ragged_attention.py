@@ -4,7 +4,7 @@ torch (CUDA tensors), for a profiler:
     ncu --kernel-name "regex:AttendKernel|CombineKernel" --launch-skip 4 --launch-count 2 \\
         python3 bench/profile_ragged_attention.py --mix "decode 64 x 2048"
     python3 bench/profile_ragged_attention.py --decode 1,2048 --heads 32,8,64 --max-num-seqs 64 \\
-        --padding-rows 15 --trace       # the 1B model's attention call in a B=1 serving step
+        --padding-rows 15 --max-q-len 1 --trace   # the 1B model's attention in a B=1 decode step
 
 Four calls; each launches the attention kernel and its combine kernel
 (`tools/device/run.sh ncu_ragged` profiles the third call's, into
@@ -39,6 +39,9 @@ parser.add_argument("--max-num-seqs", type=int,
                          "engine pads them")
 parser.add_argument("--padding-rows", type=int, default=0,
                     help="query rows past the last sequence's, as a bucketed step has")
+parser.add_argument("--max-q-len", type=int, default=0,
+                    help="the op's max_q_len (1 with --decode: the decode kernel alone, as the "
+                    "serving engine runs its decode steps)")
 parser.add_argument("--trace", action="store_true",
                     help="print the GPU timeline of three calls replayed in a CUDA graph (CUPTI)")
 parser.add_argument("--clocks", type=float, metavar="SECONDS",
@@ -64,8 +67,12 @@ inputs = sample_inputs.ragged_paged_attention(q_lens, kv_lens, num_heads, num_kv
                                               padding_rows=args.padding_rows, device="cuda")
 
 
+# Passed only when set: a baseline tree (tools/device/ab_kernels.sh) may predate it.
+promise = {"max_q_len": args.max_q_len} if args.max_q_len else {}
+
+
 def call():
-    torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=head_dim ** -0.5)
+    torch.ops.xla_ext.ragged_paged_attention(**inputs, sm_scale=head_dim ** -0.5, **promise)
 
 
 for _ in range(4):

@@ -236,7 +236,7 @@ MAX_GQA_GROUP = 16
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                           sliding_window, soft_cap, mask_value, k_scale, v_scale):
+                           sliding_window, soft_cap, mask_value, k_scale, v_scale, max_q_len=0):
     op = RAGGED_PAGED_ATTENTION
     _check_rank(op, "q", q, 3, "[max_num_batched_tokens, num_q_heads, head_dim]")
     _check_dtype(op, "q", q, supported(op, "dtype", "q"))
@@ -282,11 +282,16 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     if soft_cap is not None and not 0.0 < float(soft_cap) <= FLOAT32_MAX:
         _fail(op, "soft_cap", "a finite cap > 0 (within float32's range), or None",
               f"{soft_cap}")
+    if not 0 <= max_q_len <= INT32_MAX:
+        _fail(op, "max_q_len", f"a bound in [1, {INT32_MAX}] on every q_len, or 0 for none",
+              f"{max_q_len}")
 
 
-def ragged_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size, num_pages):
+def ragged_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size, num_pages,
+                  max_q_len=0):
     """The first num_seqs sequences: monotone row ranges within the batch, q_len <= kv_len <=
-    the pages' capacity, and page ids in the cache. Entries past num_seqs are not read."""
+    the pages' capacity, q_len <= max_q_len when that is set, and page ids in the cache.
+    Entries past num_seqs are not read."""
     op = "xla_ext.ragged_paged_attention"
     count = int(num_seqs[0])
     if not 0 <= count <= kv_lens.shape[0]:
@@ -305,6 +310,11 @@ def ragged_values(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_s
         i = int(bad[0])
         _fail(op, "kv_lens", f"q_len <= kv_len <= pages_per_seq * page_size = {capacity}",
               f"kv_lens[{i}] = {kv_lens[i]} with q_len {q_lens[i]}")
+    bad = np.flatnonzero(q_lens > max_q_len) if max_q_len else ()
+    if len(bad):
+        i = int(bad[0])
+        _fail(op, "max_q_len", "a bound on every sequence's q_len (cu_q_lens[i + 1] - "
+              "cu_q_lens[i])", f"{max_q_len} with sequence {i}'s q_len = {q_lens[i]}")
     used = np.arange(page_indices.shape[1])[None, :] * page_size < lens[:, None]
     pages = page_indices[:count]
     bad = np.argwhere(used & ((pages < 0) | (pages >= num_pages)))

@@ -143,7 +143,8 @@ RAGGED_PAGED_ATTENTION = OpDef(
     target="xla_ext.ragged_paged_attention",
     schema="(Tensor q, Tensor kv_pages, Tensor kv_lens, Tensor page_indices, Tensor cu_q_lens, "
            "Tensor num_seqs, float sm_scale=1.0, int? sliding_window=None, float? soft_cap=None, "
-           "float? mask_value=None, float? k_scale=None, float? v_scale=None) -> Tensor",
+           "float? mask_value=None, float? k_scale=None, float? v_scale=None, "
+           "int max_q_len=0) -> Tensor",
     doc="""Attention of a ragged batch (prefill chunks and decodes side by side) over the combined
     paged cache, with torch_xla 2.9's ragged_paged_attention semantics: q [max_num_batched_tokens,
     num_q_heads, head_dim]; kv_pages [total_num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -152,10 +153,14 @@ RAGGED_PAGED_ATTENTION = OpDef(
     cu_q_lens [max_num_seqs + 1], num_seqs [1], all int32. Sequence i < num_seqs[0] owns query
     rows cu_q_lens[i]..cu_q_lens[i + 1], causal over its kv_lens[i] tokens (the new ones
     included), within the last sliding_window positions when set; soft_cap caps the scores.
-    Rows no sequence owns are zeros; entries past num_seqs are never read.""",
+    Rows no sequence owns are zeros; entries past num_seqs are never read. max_q_len (not in
+    torch_xla's schema): 0, or a bound on every sequence's q_len that the caller promises; 1, a
+    batch of decode steps only, lets the CUDA handler run its decode kernel alone (a sequence
+    with more rows then gets NaN rows there; the checks and the Host handler refuse it).""",
     operands=("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"),
     attributes={"sm_scale": "float32", "sliding_window": "int32", "soft_cap": "float32",
-                "mask_value": "float32", "k_scale": "float32", "v_scale": "float32"},
+                "mask_value": "float32", "k_scale": "float32", "v_scale": "float32",
+                "max_q_len": "int32"},
     attribute_none={"sliding_window": 0, "soft_cap": 0.0, "mask_value": DEFAULT_MASK_VALUE,
                     "k_scale": 1.0, "v_scale": 1.0},
     results=_same_as("q"),
@@ -171,7 +176,7 @@ RAGGED_PAGED_ATTENTION = OpDef(
     value_args=("kv_lens", "page_indices", "cu_q_lens", "num_seqs"),
     check_values=lambda a, v: checks.ragged_values(
         v["kv_lens"], v["page_indices"], v["cu_q_lens"], v["num_seqs"], a["q"].shape[0],
-        a["kv_pages"].shape[1], a["kv_pages"].shape[0]),
+        a["kv_pages"].shape[1], a["kv_pages"].shape[0], a["max_q_len"]),
 )
 
 OPS = (SIMPLE_ADD, PAGED_ATTENTION, RESHAPE_AND_CACHE, KV_CACHE_UPDATE, KV_CACHE_UPDATE_SLICES,

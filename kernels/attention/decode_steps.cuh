@@ -10,6 +10,7 @@
 #ifndef XLA_EXT_KERNELS_ATTENTION_DECODE_STEPS_CUH_
 #define XLA_EXT_KERNELS_ATTENTION_DECODE_STEPS_CUH_
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/attention/batch_params.cuh"
@@ -28,6 +29,7 @@ namespace xla_ext::attention::ragged {
 struct DecodeSteps {
   tiled::Params batch;  // the tiled kernel's: the batch, and its tiles and stages
   static constexpr bool kWaitsBeforeReading = false;
+  static constexpr bool kFillsOtherRows = false;  // the tiled kernel's combine writes them
 
   __device__ Sequence StepOf(int seq) const {
     const int num_seqs = NumSeqs(batch);
@@ -52,6 +54,47 @@ struct DecodeSteps {
     return SplitSms(batch.share, batch.num_kv_heads, cuda::balanced::BlockSum(local, scratch),
                     units)
         .decode_ctas;
+  }
+};
+
+// A batch the caller promises holds decode steps only (the op's max_q_len = 1): the decode
+// kernel runs alone, with no tiled kernel beside it and no combine behind it (it merges split
+// sequences itself: Params::fused_combine), so it also writes the rows no decode step owns:
+// zeros where the op's contract says so, NaN in the rows of a sequence with more than one
+// (the promise broken: visibly wrong, not plausibly). On the H100's B=1 serving step the empty
+// tiled launch and the combine were 7 of the layer's 26 us of attention.
+struct DecodeOnlySteps {
+  BatchParams batch;
+  static constexpr bool kWaitsBeforeReading = true;  // the K/V write before it, first
+  static constexpr bool kFillsOtherRows = true;
+
+  __device__ Sequence StepOf(int seq) const {
+    const int num_seqs = NumSeqs(batch);
+    if (seq >= num_seqs) return {0, 0, 0};
+    return DecodeStepOf(batch, OwnedRowsOf(batch, num_seqs), seq);
+  }
+  __device__ int Length(const decode::Params&, int seq) const { return StepOf(seq).kv_len; }
+  __device__ int64_t Row(const decode::Params&, int seq) const {
+    const Sequence s = StepOf(seq);
+    return s.q_len == 1 ? s.q_start : -1;
+  }
+  __device__ int ActiveCtas(const decode::Params&, int, int*) const {
+    return static_cast<int>(gridDim.x);
+  }
+  // Calls fill(row, value) for this CTA's share (CTA `cta` of `ctas`) of the rows no decode
+  // step owns.
+  template <typename Fill>
+  __device__ void ForEachOtherRow(int cta, int ctas, Fill fill) const {
+    const int num_seqs = NumSeqs(batch);
+    const OwnedRows rows = OwnedRowsOf(batch, num_seqs);
+    for (int t = cta; t < rows.first; t += ctas) fill(t, 0.0f);
+    for (int t = rows.end + cta; t < batch.num_tokens; t += ctas) fill(t, 0.0f);
+    for (int i = cta; i < num_seqs; i += ctas) {
+      const Sequence s = ReadSequence(batch, rows, i);
+      if (s.q_len == 1) continue;
+      const float value = s.q_len > 1 ? NAN : 0.0f;
+      for (int t = s.q_start, end = OwnedRowAt(batch, rows, i + 1); t < end; ++t) fill(t, value);
+    }
   }
 };
 

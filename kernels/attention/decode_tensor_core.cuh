@@ -41,6 +41,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 
@@ -125,8 +127,18 @@ __device__ __forceinline__ int StagesOf(int length) {
   return (length + kStageTokens - 1) / kStageTokens;
 }
 
-// The fewest stages a CTA takes (short pieces cost more in partials than they save).
-constexpr int kMinCtaStages = 4;
+// The fewest stages a CTA takes (short pieces cost more in partials than they save): the
+// tuning knob (kernels/common/tuning.h), or XLA_EXT_DECODE_MIN_CTA_STAGES (1 to 64) for a sweep
+// without a rebuild. (Params::min_cta_stages; LaunchAttention sets it.)
+constexpr int kMinCtaStages = tuning::kDecodeMinCtaStages;
+inline int MinCtaStages() {
+  static const int stages = [] {
+    const char* set = std::getenv("XLA_EXT_DECODE_MIN_CTA_STAGES");
+    const int value = set != nullptr ? std::atoi(set) : 0;
+    return value >= 1 && value <= 64 ? value : kMinCtaStages;
+  }();
+  return stages;
+}
 
 // Stages of a sequence of `length` tokens that its window (split_kv.cuh) leaves out.
 __device__ __forceinline__ int SkippedStages(int window, int length) {
@@ -137,6 +149,135 @@ __device__ __forceinline__ int SkippedStages(int window, int length) {
 // computes the same): its stages that the window keeps.
 __device__ __forceinline__ int UnitsOf(int window, int length) {
   return StagesOf(length) - SkippedStages(window, length);
+}
+
+// The fused combine (Params::fused_combine): one arrival counter per (sequence, kv head). Each
+// piece of a split sequence, once its records are stored, counts itself in; the one that
+// completes the count merges the sequence's records for that kv head's query heads into the
+// output and sets the counter back to 0 for the next call. A module's globals start zeroed, so
+// the counters need no clearing launch of their own; calls on one device run one after
+// another in their stream (XLA's), which is what a counter shared between calls needs. On the
+// H100 the combine kernel behind the attention kernel cost a launch and a wait at every call
+// (4.4 us of a 26 us layer's attention in the 1B model's B=1 serving step).
+inline constexpr int kMaxPieceArrivals = 1 << 16;
+namespace {
+__device__ int piece_arrivals[kMaxPieceArrivals];
+}  // namespace
+
+// The fused combine's merge, by the warp that completes a split sequence's count: out =
+// out_scale * sum_i w_i o_i / sum_i w_i l_i over the sequence's `records` records (as
+// split_kv.cuh's CombinePartitions) for `heads` query heads from `first_head`, their records
+// from `first_record` (CTA + sequence) on. Every load of a chunk of records is issued before
+// any is used (16 records of a row at head sizes up to 128), and a head's row takes
+// kLanesPerRow lanes, so that a warp merges 32 / kLanesPerRow rows at once (two at head size
+// 64): on the H200, merging the rows one after another, 16 records a round trip, took the B=1
+// decode step's attention call (1B model, 2k context) from 10 + 4 us (the kernel, then the
+// combine kernel) to 17 us; two rows at once, 14 us.
+template <typename T, int kHeadSize>
+__device__ __forceinline__ void MergeSplitSequence(const Params& p, int64_t out_row,
+                                                   int first_head, int heads,
+                                                   int64_t first_record, int records) {
+  constexpr int kColumns4 = kHeadSize / 4;  // float4 columns of a row
+  constexpr int kLanesPerRow = kColumns4 < 32 ? kColumns4 : 32;
+  constexpr int kRowsAtOnce = 32 / kLanesPerRow;
+  constexpr int kVecs = (kColumns4 + kLanesPerRow - 1) / kLanesPerRow;
+  // Records a lane loads at once, into 16 float4 registers (32 spilled registers of the kernel
+  // to local memory).
+  constexpr int kChunk = 16 / kVecs;
+  // Record j's statistics are in lane j % kLanesPerRow of its row, entry j / kLanesPerRow.
+  constexpr int kStatsPerLane = (kChunk + kLanesPerRow - 1) / kLanesPerRow;
+  const int lane = threadIdx.x % 32;
+  const int slot = lane / kLanesPerRow;  // the row of this lane within the rows at once
+  const int column = lane % kLanesPerRow;
+  const int slot_lane = slot * kLanesPerRow;  // the row's first lane
+  for (int base_head = 0; base_head < heads; base_head += kRowsAtOnce) {
+    const int head = base_head + slot;
+    const bool active = slot < kRowsAtOnce && head < heads;
+    const int64_t first = static_cast<int64_t>(first_head + (active ? head : 0)) * p.num_records +
+                          first_record;
+    const float4* partial = reinterpret_cast<const float4*>(p.partial_out + first * kHeadSize);
+    float m = -INFINITY, l = 0.0f;
+    float4 acc[kVecs];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int base = 0; base < records; base += kChunk) {
+      // Through L2 (ld.global.cg): other SMs wrote the records during this grid.
+      float chunk_max[kStatsPerLane], chunk_sum[kStatsPerLane];
+#pragma unroll
+      for (int e = 0; e < kStatsPerLane; ++e) {
+        const int j = e * kLanesPerRow + column;
+        const bool has_stats = active && j < kChunk && base + j < records;
+        chunk_max[e] = has_stats ? __ldcg(p.partial_max + first + base + j) : -INFINITY;
+        chunk_sum[e] = has_stats ? __ldcg(p.partial_sum + first + base + j) : 0.0f;
+      }
+      float4 values[kChunk][kVecs];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j)
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          const int c = v * kLanesPerRow + column;
+          values[j][v] = active && base + j < records && c < kColumns4
+                             ? __ldcg(partial + (base + j) * kColumns4 + c)
+                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+      float new_max = m;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        new_max = fmaxf(new_max, __shfl_sync(0xffffffffu, chunk_max[j / kLanesPerRow],
+                                             slot_lane + j % kLanesPerRow));
+      }
+      // A record whose tokens were all skipped has max -inf and sum 0: weight 0.
+      const float rescale = new_max == -INFINITY ? 0.0f : __expf(m - new_max);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        acc[v] = make_float4(acc[v].x * rescale, acc[v].y * rescale, acc[v].z * rescale,
+                             acc[v].w * rescale);
+      }
+      l *= rescale;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const int holder = slot_lane + j % kLanesPerRow;
+        const float record_max = __shfl_sync(0xffffffffu, chunk_max[j / kLanesPerRow], holder);
+        const float record_sum = __shfl_sync(0xffffffffu, chunk_sum[j / kLanesPerRow], holder);
+        const float w = record_max == -INFINITY ? 0.0f : __expf(record_max - new_max);
+        l += w * record_sum;
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+          acc[v] = make_float4(acc[v].x + w * values[j][v].x, acc[v].y + w * values[j][v].y,
+                               acc[v].z + w * values[j][v].z, acc[v].w + w * values[j][v].w);
+        }
+      }
+      m = new_max;
+    }
+    if (!active) continue;
+    const float inv_sum = l > 0.0f ? p.out_scale / l : 0.0f;
+    T* out = static_cast<T*>(p.out) + (out_row * p.num_heads + first_head + head) * kHeadSize;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = v * kLanesPerRow + column;
+      if (c >= kColumns4) continue;
+      out[4 * c] = cuda::FromFloat<T>(acc[v].x * inv_sum);
+      out[4 * c + 1] = cuda::FromFloat<T>(acc[v].y * inv_sum);
+      out[4 * c + 2] = cuda::FromFloat<T>(acc[v].z * inv_sum);
+      out[4 * c + 3] = cuda::FromFloat<T>(acc[v].w * inv_sum);
+    }
+  }
+}
+
+// Writes `value` into every element of output row `row` ([num_heads, head_size]), with 16-byte
+// stores spread over the CTA's threads.
+template <typename T, int kHeadSize>
+__device__ __forceinline__ void FillRow(const Params& p, int64_t row, float value) {
+  constexpr int kPerVector = 16 / sizeof(T);
+  static_assert(kHeadSize % kPerVector == 0, "a head's row is whole 16-byte vectors");
+  T element[kPerVector];
+#pragma unroll
+  for (int i = 0; i < kPerVector; ++i) element[i] = cuda::FromFloat<T>(value);
+  uint4 vector;
+  memcpy(&vector, element, sizeof(vector));
+  const int vectors = p.num_heads * kHeadSize / kPerVector;
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row * p.num_heads * kHeadSize);
+  for (int i = threadIdx.x; i < vectors; i += blockDim.x) dst[i] = vector;
 }
 
 // kHighRows: the GQA group has more than 8 heads, so rows 8-15 of the MMA tiles are used.
@@ -181,10 +322,15 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   const auto units_of = [&](int length) { return UnitsOf(p.window, length); };
   int active_ctas = 0;
   const cuda::balanced::Range range = cuda::balanced::LocateRange(
-      p.num_seqs, kMinCtaStages, [&](int seq) { return units_of(length_of(seq)); },
+      p.num_seqs, p.min_cta_stages, [&](int seq) { return units_of(length_of(seq)); },
       schedule_scratch, [&](int units) {
         return active_ctas = batch.ActiveCtas(p, units, schedule_scratch);
       });
+  if constexpr (Batch::kFillsOtherRows) {
+    // The output rows no sequence of this grid writes (the batch says which, and what).
+    batch.ForEachOtherRow(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y,
+                          [&](int64_t row, float value) { FillRow<T, kHeadSize>(p, row, value); });
+  }
   if (range.begin >= range.end) {  // more CTAs than stages
     finish();
     return;
@@ -350,8 +496,31 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
       for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
   };
 
+  // Where the piece in progress's sequence starts in the batch's list of units, and its length.
+  int seq_first_unit = 0;
+  int seq_len = 0;
+  // The fused combine: counts this warp's piece of `seq` in (its records stored); the last of
+  // the sequence's pieces merges its records into the output rows of this warp's query heads.
+  // The pieces are those of CTAs first_cta ... last_cta (balanced_split.cuh), record CTA + seq.
+  const auto merge_if_last = [&](int seq) {
+    const int first_cta = seq_first_unit / range.chunk;
+    const int pieces =
+        (seq_first_unit + UnitsOf(p.window, seq_len) - 1) / range.chunk - first_cta + 1;
+    int* arrivals =
+        &piece_arrivals[static_cast<int64_t>(seq) * p.num_kv_heads + first_kv_head + warp];
+    __threadfence();  // this lane's records, before the count
+    __syncwarp();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(arrivals, 1);
+    if (__shfl_sync(0xffffffffu, arrived, 0) != pieces - 1) return;
+    if (lane == 0) *arrivals = 0;  // every piece of this call has counted: the next call's
+    __threadfence();               // the other pieces' records, after their counts
+    MergeSplitSequence<T, kHeadSize>(p, batch.Row(p, seq), first_head, group,
+                                     int64_t{first_cta} + seq, pieces);
+  };
+
   // Writes this CTA's piece of `seq`: the output itself when the piece is the whole sequence,
-  // else its record for the combine kernel.
+  // else its record for the combine (fused: merge_if_last).
   T* out = static_cast<T*>(p.out);
   const auto write_piece = [&](int seq, bool whole) {
     // Each row's sum is spread over its 4 lanes.
@@ -388,6 +557,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
         }
       }
     }
+    if (!whole && p.fused_combine) merge_if_last(seq);
   };
 
   // Where this warp's kv head's K and V rows sit in a token's row of a stage (Layout).
@@ -419,6 +589,10 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     if (info.seq != seq) {
       if (seq >= 0) write_piece(seq, piece_from_start && piece_to_end);
       seq = info.seq;
+      seq_len = info.seq_len;
+      seq_first_unit =
+          range.begin + iter -
+          (info.first_token / kStageTokens - SkippedStages(p.window, info.seq_len));
       piece_from_start = (info.flags & kFirstStage) != 0;
       load_query(seq);
       reset();
@@ -624,8 +798,10 @@ inline int64_t NumRecords(const Plan& plan, int64_t num_seqs) { return plan.work
 // Launches the attention kernel. `p` holds the records (NumRecords) and seq_records
 // (num_seqs); the combine (LaunchCombine, or the caller's) must come behind it.
 template <typename T, int kHeadSize, typename Batch>
-void LaunchAttention(const Params& p, const Batch& batch, const Plan& plan,
+void LaunchAttention(const Params& params, const Batch& batch, const Plan& plan,
                      cudaStream_t stream) {
+  Params p = params;
+  p.min_cta_stages = MinCtaStages();
   const dim3 grid(static_cast<unsigned>(plan.workers),
                   static_cast<unsigned>(p.num_kv_heads / plan.kv_heads_per_cta));
   const int shared_bytes = SharedBytes(plan.layout, plan.num_stages);

@@ -52,6 +52,10 @@ struct Params {
   float out_scale;      // multiplies every output (the ragged op's v_scale)
   bool kv_interleaved;  // key_cache == value_cache, [blocks, block_size, 2 * num_kv_heads,
                         // head_size]: K of kv head h at 2h, its V at 2h + 1
+  // Tensor-core kernel: the last piece of a split sequence to finish merges its records
+  // (decode_tensor_core.cuh), and no combine kernel runs behind it.
+  bool fused_combine;
+  int min_cta_stages;  // tensor-core kernel: the fewest stages a CTA takes (its LaunchAttention)
 };
 
 // The batch as paged_attention gives it: sequence i has seq_lens[i] tokens, its query and
@@ -61,6 +65,9 @@ struct SeqLensBatch {
   // The tensor-core kernel reads global memory only after the previous grid has finished
   // (false: a batch whose kernel runs beside it waits for it before exiting instead).
   static constexpr bool kWaitsBeforeReading = true;
+  // Whether the tensor-core kernel writes the output rows of no sequence itself (a batch that
+  // does says which: ForEachOtherRow, as decode_steps.cuh's DecodeOnlySteps).
+  static constexpr bool kFillsOtherRows = false;
   // Tokens of sequence `seq` to attend (0: none; the kernels then leave its row to others).
   __device__ int Length(const Params& p, int seq) const;
   // Its query and output row; -1: a row the combine must not write.

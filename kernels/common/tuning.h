@@ -24,6 +24,10 @@
 #ifndef XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES  // bytes a token run's copy should reach (0: pairs)
 #define XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES 4096
 #endif
+// The fewest 16-token stages a CTA takes (decode_tensor_core.cuh says why).
+#ifndef XLA_EXT_PAGED_ATTENTION_MIN_CTA_STAGES
+#define XLA_EXT_PAGED_ATTENTION_MIN_CTA_STAGES 4
+#endif
 // Consumer warps an SM should hold at least (decode_tensor_core.cuh says why).
 #ifndef XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM
 #define XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM 8
@@ -36,6 +40,7 @@ inline constexpr int kDecodeSimtUnroll = XLA_EXT_PAGED_ATTENTION_UNROLL;
 inline constexpr int kDecodeKvHeadsPerCta = XLA_EXT_PAGED_ATTENTION_KV_HEADS_PER_CTA;
 inline constexpr int kDecodeSharedKb = XLA_EXT_PAGED_ATTENTION_SHARED_KB;
 inline constexpr int kDecodeMinCopyBytes = XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES;
+inline constexpr int kDecodeMinCtaStages = XLA_EXT_PAGED_ATTENTION_MIN_CTA_STAGES;
 inline constexpr int kDecodeMinConsumerWarpsPerSm =
     XLA_EXT_PAGED_ATTENTION_MIN_CONSUMER_WARPS_PER_SM;
 

@@ -12,7 +12,9 @@
 //   cu_q_lens     [max_num_seqs + 1] s32: sequence i owns query rows cu_q_lens[i]..[i + 1]
 //   num_seqs      [1] s32: sequences in use; entries of the arrays above past them are junk
 //   attrs         sm_scale (f32); sliding_window (s32, 0 = none); soft_cap (f32, 0 = none);
-//                 mask_value (f32); k_scale, v_scale (f32, 1 = none)
+//                 mask_value (f32); k_scale, v_scale (f32, 1 = none); max_q_len (s32): 0, or
+//                 a bound on every sequence's q_len that the caller promises (1: a batch of
+//                 decode steps only, which the CUDA handler runs on its decode kernel alone)
 //   out           [max_num_batched_tokens, num_q_heads, head_dim], dtype of q
 //   workspace     [bytes] u8: the CUDA handler's scratch, so that XLA allocates it with the
 //                 call's other buffers and a command buffer can replay the call; the front
@@ -56,7 +58,8 @@
 //   both clamped into [cu_q_lens[0], cu_q_lens[num_seqs]], none if they decrease; with
 //   non-monotone entries two sequences may claim a row, which then gets one of their results.
 //   Beside them, the decode kernel (kernels/attention/decode_steps.cuh) takes the sequences
-//   whose q_len is 1 after the same clamps.
+//   whose q_len is 1 after the same clamps. With max_q_len = 1 it runs alone: a sequence with
+//   more than one row (a broken promise) gets NaN in all its rows.
 //   With XLA_EXT_DEBUG_CHECKS set it runs DataChecks on the device first and returns the Host
 //   handler's error (kernels/common/debug_checks.cuh).
 #ifndef XLA_EXT_KERNELS_RAGGED_PAGED_ATTENTION_RAGGED_PAGED_ATTENTION_H_
@@ -117,6 +120,7 @@ struct Attrs {
   float mask_value;
   float k_scale;
   float v_scale;
+  int32_t max_q_len;  // 0: any
 };
 
 inline ffi::Error CheckS32Vector(const char* arg, const ffi::AnyBuffer& buffer, int64_t length) {
@@ -147,6 +151,10 @@ inline ffi::Error CheckAttrs(const Attrs& a) {
   }
   if (std::isnan(a.mask_value)) {
     return ArgumentError(kTarget, "mask_value", "a value that is not NaN", "NaN");
+  }
+  if (a.max_q_len < 0) {
+    return ArgumentError(kTarget, "max_q_len", "a bound >= 1 on every q_len, or 0 for none",
+                         std::to_string(a.max_q_len));
   }
   return ffi::Error::Success();
 }
@@ -219,7 +227,8 @@ inline ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_pages,
 // The data listed above, for the first num_seqs[0] sequences (data_checks.h), in the order of
 // the list: entry 0 num_seqs; 1 cu_q_lens[0]; 2 + i cu_q_lens[i + 1] >= cu_q_lens[i];
 // 2 + max_num_seqs cu_q_lens[num_seqs]; then per sequence i, from 3 + max_num_seqs +
-// i * (pages_per_seq + 2): kv_len >= q_len, kv_len <= capacity, and its pages in order.
+// i * (pages_per_seq + 2): kv_len >= q_len and q_len <= max_q_len (when set), kv_len <=
+// capacity, and its pages in order.
 struct DataChecks {
   static constexpr int32_t kNumSeqs = 1;       // values: num_seqs, max_num_seqs
   static constexpr int32_t kFirstRow = 2;      // values: cu_q_lens[0]
@@ -230,6 +239,7 @@ struct DataChecks {
   static constexpr int32_t kKvBelowQ = 5;      // values: i, kv_len, q_len
   static constexpr int32_t kKvBeyond = 6;      // values: i, kv_len, capacity
   static constexpr int32_t kPageId = 7;        // values: i, page index, page id, num_pages
+  static constexpr int32_t kQBeyondMax = 8;    // values: i, q_len, max_q_len
 
   const int32_t* kv_lens;
   const int32_t* page_indices;
@@ -240,15 +250,17 @@ struct DataChecks {
   int64_t page_size;
   int64_t num_pages;
   int64_t num_tokens;
+  int64_t max_q_len;  // 0: any
 
-  static DataChecks For(const Shapes& s, const ffi::AnyBuffer& kv_lens,
+  static DataChecks For(const Shapes& s, const Attrs& a, const ffi::AnyBuffer& kv_lens,
                         const ffi::AnyBuffer& page_indices, const ffi::AnyBuffer& cu_q_lens,
                         const ffi::AnyBuffer& num_seqs) {
     return DataChecks{static_cast<const int32_t*>(kv_lens.untyped_data()),
                       static_cast<const int32_t*>(page_indices.untyped_data()),
                       static_cast<const int32_t*>(cu_q_lens.untyped_data()),
                       static_cast<const int32_t*>(num_seqs.untyped_data()),
-                      s.max_num_seqs, s.pages_per_seq, s.page_size, s.num_pages, s.num_tokens};
+                      s.max_num_seqs, s.pages_per_seq, s.page_size, s.num_pages, s.num_tokens,
+                      a.max_q_len};
   }
 
   XLA_EXT_HOST_DEVICE int64_t num_entries() const {
@@ -279,7 +291,11 @@ struct DataChecks {
     const int64_t q_len = int64_t{cu_q_lens[i + 1]} - cu_q_lens[i];
     const int64_t kv_len = kv_lens[i];
     const int64_t capacity = pages_per_seq * page_size;
-    if (j == 0) return kv_len >= q_len ? Violation{} : Violation{kKvBelowQ, {i, kv_len, q_len}};
+    if (j == 0) {
+      if (kv_len < q_len) return Violation{kKvBelowQ, {i, kv_len, q_len}};
+      if (max_q_len > 0 && q_len > max_q_len) return Violation{kQBeyondMax, {i, q_len, max_q_len}};
+      return Violation{};
+    }
     if (j == 1) {
       return kv_len <= capacity ? Violation{} : Violation{kKvBeyond, {i, kv_len, capacity}};
     }
@@ -315,6 +331,11 @@ struct DataChecks {
                              "kv_len >= q_len (the new tokens are in the cache)",
                              Entry("kv_lens", x[0], x[1]) + " with q_len = " +
                                  std::to_string(x[2]));
+      case kQBeyondMax:
+        return ArgumentError(kTarget, "max_q_len",
+                             "a bound on every sequence's q_len (cu_q_lens[i + 1] - cu_q_lens[i])",
+                             std::to_string(x[2]) + " with sequence " + std::to_string(x[0]) +
+                                 "'s q_len = " + std::to_string(x[1]));
       case kKvBeyond:
         return ArgumentError(kTarget, "kv_lens",
                              "kv_len <= pages_per_seq * page_size = " + std::to_string(x[2]),
@@ -345,7 +366,8 @@ auto Bind(Binding binding) {
       .template Attr<float>("soft_cap")
       .template Attr<float>("mask_value")
       .template Attr<float>("k_scale")
-      .template Attr<float>("v_scale");
+      .template Attr<float>("v_scale")
+      .template Attr<int32_t>("max_q_len");
 }
 
 }  // namespace xla_ext::ragged_paged_attention

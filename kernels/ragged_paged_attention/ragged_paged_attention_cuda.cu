@@ -6,7 +6,8 @@
 //   and 128 on compute capability 9.x, tiled_tensor_core.cuh (mma.sync, TMA) for the other
 //   head sizes up to 128 and newer GPUs. Their sequences with one query row (decode steps) go
 //   to the decode engine (decode_steps.cuh), which splits them in the same way over its share
-//   of the GPU, at the same time (gpu_share.cuh).
+//   of the GPU, at the same time (gpu_share.cuh). A call whose max_q_len is 1 (decode steps
+//   only) runs the decode kernel alone (decode_steps.cuh's DecodeOnlySteps).
 // - ragged_simt.cuh: CUDA cores, for everything else (f32, fp8 caches, head_dim 192 and 256,
 //   a mask_value whose masked positions must be visited).
 #include <algorithm>
@@ -42,6 +43,7 @@ namespace tiled = attention::ragged::tiled;
 namespace warpgroup = attention::ragged::warpgroup;
 using attention::ragged::BatchParams;
 using attention::ragged::CombineKernel;
+using attention::ragged::DecodeOnlySteps;
 using attention::ragged::DecodeStepParams;
 using attention::ragged::DecodeSteps;
 using attention::ragged::GpuShare;
@@ -71,6 +73,7 @@ struct Call {
   const std::optional<cuda::DeviceInfo>& device;
   cuda::Workspace& workspace;
   cudaStream_t stream;
+  bool decode_only;  // max_q_len == 1
 };
 
 // After the last Take, before the first launch: whether to launch (not while measuring), or
@@ -230,6 +233,45 @@ struct Kernels {
     return share;
   }
 
+  // The decode kernel alone, for a batch of decode steps only (max_q_len = 1), or nullopt
+  // where it does not apply: the kernels of the tiled path's conditions (a forced kernel, a
+  // mask_value whose masked positions must be visited, no Hopper), which then run instead.
+  static std::optional<decode::tensor_core::Plan> DecodeOnlyPlan(const BatchParams& batch,
+                                                                 const Call& call) {
+    if constexpr (kHasTensorCore) {
+      if (!call.decode_only || ForceSimt() || ForceTensorCore() || ForceWarpgroup() ||
+          batch.visit_masked || !call.device.has_value()) {
+        return std::nullopt;
+      }
+      return decode::tensor_core::MakePlan<T, kHeadDim, DecodeOnlySteps>(
+          batch.num_kv_heads, batch.group_size, /*kv_interleaved=*/true,
+          1 << batch.log2_page_size, *call.device);
+    }
+    return std::nullopt;
+  }
+
+  static ffi::Error LaunchDecodeOnly(const BatchParams& batch,
+                                     const decode::tensor_core::Plan& plan, const Call& call) {
+    if constexpr (kHasTensorCore) {
+      decode::Params d{};
+      XLA_EXT_RETURN_IF_ERROR(PrepareDecodeSteps(batch, plan, call, d));
+      // One arrival counter per (sequence, kv head); past them, the combine kernel merges.
+      d.fused_combine = int64_t{batch.max_num_seqs} * batch.num_kv_heads <=
+                        decode::tensor_core::kMaxPieceArrivals;
+      bool launch = false;
+      XLA_EXT_RETURN_IF_ERROR(ReadyToLaunch(call, launch));
+      if (!launch) return ffi::Error::Success();
+      const DecodeOnlySteps steps{batch};
+      decode::tensor_core::LaunchAttention<T, kHeadDim>(d, steps, plan, call.stream);
+      if (!d.fused_combine) {
+        decode::LaunchCombine<T, kHeadDim>(d, steps,
+                                           int64_t{batch.max_num_seqs} * batch.num_q_heads,
+                                           call.stream);
+      }
+    }
+    return ffi::Error::Success();
+  }
+
   // The decode-step kernel's parameters and its part of the workspace (decode_steps.cuh).
   static ffi::Error PrepareDecodeSteps(const BatchParams& batch,
                                        const decode::tensor_core::Plan& plan,
@@ -261,6 +303,9 @@ struct Kernels {
   }
 
   static ffi::Error Launch(const BatchParams& batch, const Call& call) {
+    if (const std::optional<decode::tensor_core::Plan> plan = DecodeOnlyPlan(batch, call)) {
+      return LaunchDecodeOnly(batch, *plan, call);
+    }
     if (const std::optional<Tiled> tiled = ChooseTiled(batch, call)) {
       return LaunchTiled(batch, *tiled, call);
     }
@@ -359,15 +404,15 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     ffi::Result<ffi::AnyBuffer> out,
                                     ffi::Result<ffi::AnyBuffer> workspace, float sm_scale,
                                     int32_t sliding_window, float soft_cap, float mask_value,
-                                    float k_scale, float v_scale) {
-  const Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
+                                    float k_scale, float v_scale, int32_t max_q_len) {
+  const Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale, max_q_len};
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
   XLA_EXT_RETURN_IF_ERROR(CheckWorkspace(kTarget, *workspace));
   if (cuda::DebugChecksEnabled()) {
     XLA_EXT_RETURN_IF_ERROR(cuda::DebugCheck(
-        kTarget, stream, DataChecks::For(s, kv_lens, page_indices, cu_q_lens, num_seqs)));
+        kTarget, stream, DataChecks::For(s, attrs, kv_lens, page_indices, cu_q_lens, num_seqs)));
   }
   if (s.num_tokens == 0 || s.num_q_heads == 0) return ffi::Error::Success();
   // 16-byte row loads: XLA's buffers are aligned; a misaligned view would fault.
@@ -391,7 +436,7 @@ ffi::Error RaggedPagedAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::
 
   const std::optional<cuda::DeviceInfo> device = cuda::CurrentDeviceInfo();
   cuda::Workspace scratch(workspace->untyped_data(), workspace->size_bytes());
-  const Call call{s, device, scratch, stream};
+  const Call call{s, device, scratch, stream, max_q_len == 1};
   XLA_EXT_RETURN_IF_ERROR(Dispatch(q.element_type(), s.fp8_kv, s.head_dim,
                                    [&](auto kernels) { return kernels.Launch(p, call); }));
   return cuda::LastLaunchError(kTarget);
@@ -413,7 +458,8 @@ int64_t WorkspaceBytes(int device, const XlaExtCallShape* call) {
                     static_cast<float>(attribute("soft_cap")),
                     static_cast<float>(attribute("mask_value")),
                     static_cast<float>(attribute("k_scale")),
-                    static_cast<float>(attribute("v_scale"))};
+                    static_cast<float>(attribute("v_scale")),
+                    static_cast<int32_t>(contract::Attribute(*call, "max_q_len", 0))};
   const ffi::AnyBuffer q(&b[0]);
   Shapes s;
   if (Check(q, ffi::AnyBuffer(&b[1]), ffi::AnyBuffer(&b[2]), ffi::AnyBuffer(&b[3]),
@@ -424,7 +470,7 @@ int64_t WorkspaceBytes(int device, const XlaExtCallShape* call) {
   }
   const BatchParams p = MakeBatchParams(s, attrs);
   return cuda::WorkspaceBytes(device, [&](const auto& info, auto& workspace) {
-    const Call plan_only{s, info, workspace, nullptr};
+    const Call plan_only{s, info, workspace, nullptr, attrs.max_q_len == 1};
     return Dispatch(q.element_type(), s.fp8_kv, s.head_dim,
                     [&](auto kernels) { return kernels.Launch(p, plan_only); });
   });

@@ -143,8 +143,8 @@ ffi::Error RaggedPagedAttentionHost(ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
                                     ffi::Result<ffi::AnyBuffer> out,
                                     ffi::Result<ffi::AnyBuffer> workspace, float sm_scale,
                                     int32_t sliding_window, float soft_cap, float mask_value,
-                                    float k_scale, float v_scale) {
-  const Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale};
+                                    float k_scale, float v_scale, int32_t max_q_len) {
+  const Attrs attrs{sm_scale, sliding_window, soft_cap, mask_value, k_scale, v_scale, max_q_len};
   Shapes s;
   XLA_EXT_RETURN_IF_ERROR(
       Check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *out, attrs, s));
@@ -154,7 +154,7 @@ ffi::Error RaggedPagedAttentionHost(ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
   const auto* cu = static_cast<const int32_t*>(cu_q_lens.untyped_data());
   const int32_t n = *static_cast<const int32_t*>(num_seqs.untyped_data());
   XLA_EXT_RETURN_IF_ERROR(
-      FirstViolation(DataChecks::For(s, kv_lens, page_indices, cu_q_lens, num_seqs)));
+      FirstViolation(DataChecks::For(s, attrs, kv_lens, page_indices, cu_q_lens, num_seqs)));
   return Dispatch(q.element_type(), s.fp8_kv, [&](auto q_zero, auto kv_zero) {
     using T = decltype(q_zero);
     using KV = decltype(kv_zero);

@@ -98,7 +98,8 @@ def test_the_handlers_check_and_list_the_values_the_library_exports():
                 np.array([0, 1, 2], np.int32), np.array([2], np.int32)]
     attributes = dict(sm_scale=np.float32(1.0), sliding_window=np.int32(0),
                       soft_cap=np.float32(0.0), mask_value=np.float32(-1e38),
-                      k_scale=np.float32(1.0), v_scale=np.float32(1.0))
+                      k_scale=np.float32(1.0), v_scale=np.float32(1.0),
+                      max_q_len=np.int32(0))
     assert f"head_dim (dim 2) {one_of(head_dims)}, got 72" in _handler_error(
         ragged, operands, attributes)
 

@@ -462,13 +462,18 @@ def ragged_batches(draw, dtypes=DTYPES,
                 mask_value=_f32(draw(st.one_of(st.none(), st.sampled_from([0.0, -5.0, -1e4]),
                                                st.floats(-1e30, 0.0)))),
                 k_scale=_f32(draw(st.one_of(st.none(), st.floats(0.1, 4.0)))),
-                v_scale=_f32(draw(st.one_of(st.none(), st.floats(0.1, 4.0)))))
+                v_scale=_f32(draw(st.one_of(st.none(), st.floats(0.1, 4.0)))),
+                # No promise, or one the batch keeps (its longest q_len, or more).
+                max_q_len=draw(st.sampled_from([0, max(q_lens, default=0),
+                                                max(q_lens, default=0) + 1])))
 
 
 def _ragged_reference(args):
+    """torch_xla's semantics: max_q_len (ours, a promise the batch keeps) changes nothing."""
     mask_value = args["mask_value"]
     return reference.ragged_paged_attention_ref(**dict(
-        args, mask_value=reference.DEFAULT_MASK_VALUE if mask_value is None else mask_value))
+        {k: v for k, v in args.items() if k != "max_q_len"},
+        mask_value=reference.DEFAULT_MASK_VALUE if mask_value is None else mask_value))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -915,6 +920,8 @@ RAGGED_BAD = [
         st.floats(max_value=-1e-30))))),
     Bad("soft_cap_zero", "soft_cap", lambda a, draw: _with(a, soft_cap=0.0), FRONT_END),
     Bad("mask_value_nan", "mask_value", lambda a, draw: _with(a, mask_value=float("nan"))),
+    Bad("max_q_len_negative", "max_q_len", lambda a, draw: _with(
+        a, max_q_len=draw(st.integers(-INT32_MAX - 1, -1)))),
     Bad("mask_value_infinite", "mask_value", lambda a, draw: _with(a, mask_value=draw(
         st.sampled_from([float("inf"), -float("inf"), -3.5e38]))), FRONT_END),
     # Data: the count, the row ranges, the lengths and the page ids they reach.

@@ -87,9 +87,11 @@ def attributes(head_dim, sm_scale=None, sliding_window=None, soft_cap=None,
                 k_scale=k_scale, v_scale=v_scale)
 
 
-def ffi_attributes(a):
-    """The handler's attributes: 0 turns sliding_window and soft_cap off, 1 the scales."""
+def ffi_attributes(a, max_q_len=0):
+    """The handler's attributes: 0 turns sliding_window and soft_cap off, 1 the scales;
+    max_q_len (0: no promise) is ours, not torch_xla's."""
     return dict(
+        max_q_len=np.int32(max_q_len),
         sm_scale=np.float32(a["sm_scale"]),
         sliding_window=np.int32(a["sliding_window"] or 0),
         soft_cap=np.float32(a["soft_cap"] or 0.0),
@@ -106,10 +108,10 @@ def workspace_type(args, attributes):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def run(inputs, attrs, out_dtype=None, jit=True, workspace=None):
+def run(inputs, attrs, out_dtype=None, jit=True, workspace=None, max_q_len=0):
     """The target on `inputs`; `workspace` replaces the workspace result's type."""
     args = [to_jax(t) for t in inputs]
-    attributes = ffi_attributes(attrs)
+    attributes = ffi_attributes(attrs, max_q_len)
     out_type = (jax.ShapeDtypeStruct(args[0].shape, out_dtype or args[0].dtype),
                 workspace or workspace_type(args, attributes))
     call = functools.partial(jax.ffi.ffi_call(TARGET, out_type), **attributes)
@@ -131,11 +133,11 @@ def owned_rows(inputs):
 
 
 def check(seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype=None,
-          attrs=None, torch_xla=True, **kwargs):
+          attrs=None, torch_xla=True, max_q_len=0, **kwargs):
     inputs = make_inputs(seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype,
                          kv_dtype=kv_dtype, **kwargs)
     attrs = attrs or attributes(head_dim)
-    out = run(inputs, attrs)
+    out = run(inputs, attrs, max_q_len=max_q_len)
     assert out.shape == inputs[0].shape and out.dtype == dtype
     assert_close(out, reference.ragged_paged_attention_ref(*inputs, **attrs), dtype)
     first, last = owned_rows(inputs)
@@ -180,6 +182,83 @@ def test_gqa_groups(num_q_heads, num_kv_heads):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_pure_decode(dtype):
     check([(1, n) for n in (1, 2, 15, 16, 17, 100, 700, 33)], 8, 1, 128, 16, dtype)
+
+
+# Decode steps only, as the caller promises with max_q_len = 1 (the CUDA handler's decode kernel
+# alone, merging split sequences itself): the 1B serving step's shape at B=1 (idle sequence
+# slots and padding rows, as the engine pads them), skewed lengths, and one sequence long enough
+# to split into more pieces than one merge round trip reads.
+DECODE_ONLY = {
+    "b1_of_64_slots": dict(seqs=[(1, 2048)], max_num_seqs=64, num_tokens=16),
+    "skewed": dict(seqs=[(1, n) for n in (2048, 1, 17, 300, 4096, 5, 700, 16, 33)],
+                   max_num_seqs=16, num_tokens=16),
+    "b64": dict(seqs=[(1, 1000 + 37 * i) for i in range(64)], max_num_seqs=64),
+    "one_long": dict(seqs=[(1, 40000), (1, 3)], max_num_seqs=4, num_tokens=8),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mix", DECODE_ONLY)
+def test_decode_only(mix, dtype, head_dim):
+    kwargs = DECODE_ONLY[mix]
+    seqs = kwargs["seqs"]
+    inputs, out = check(seqs, 32, 8, head_dim, 16, dtype, max_q_len=1, torch_xla=False,
+                        **{k: v for k, v in kwargs.items() if k != "seqs"})
+    # The same rows as without the promise (the handler's other kernels), to rounding.
+    assert_close(out, run(inputs, attributes(head_dim)), dtype)
+
+
+@pytest.mark.parametrize("attrs", [dict(sliding_window=100), dict(soft_cap=20.0),
+                                   dict(sliding_window=7, soft_cap=5.0)], ids=str)
+def test_decode_only_window_and_soft_cap(attrs):
+    check([(1, 90), (1, 1), (1, 3000), (1, 64)], 16, 4, 128, 16, torch.bfloat16, max_q_len=1,
+          attrs=attributes(128, **attrs), max_num_seqs=8, num_tokens=8)
+
+
+def test_decode_only_calls_in_a_row():
+    # The fused merge's counters are set back at every call: calls one after another in one
+    # executable (on the GPU, one command buffer) each give the right rows.
+    attrs = attributes(64)
+    inputs = make_inputs([(1, 3000), (1, 50), (1, 2048)], 32, 8, 64, 16, torch.bfloat16,
+                         max_num_seqs=8, num_tokens=8)
+    ffi_attrs = ffi_attributes(attrs, max_q_len=1)
+    args = [to_jax(t) for t in inputs]
+    out_type = (jax.ShapeDtypeStruct(args[0].shape, args[0].dtype),
+                workspace_type(args, ffi_attrs))
+    call = functools.partial(jax.ffi.ffi_call(TARGET, out_type), **ffi_attrs)
+
+    @jax.jit
+    def chain(q, *rest):
+        outs = []
+        for _ in range(4):
+            q = call(q, *rest)[0]
+            outs.append(q)
+        return outs
+
+    expected = inputs
+    for out in jax.block_until_ready(chain(*args)):
+        expected = [run(expected, attrs, max_q_len=1), *expected[1:]]
+        assert torch.equal(to_torch(out), expected[0])
+
+
+def test_max_q_len_broken_promise():
+    # Sequence 1 has 3 rows under max_q_len = 1: the Host handler (and the CUDA one with the
+    # debug checks) refuse it; the CUDA handler's decode kernel alone gives NaN in its rows and
+    # the right values in the others.
+    inputs = make_inputs([(1, 40), (3, 30), (1, 500)], 8, 2, 64, 16, torch.bfloat16,
+                         max_num_seqs=4, num_tokens=8)
+    attrs = attributes(64)
+    if HANDLERS_CHECK_DATA:
+        with pytest.raises(Exception, match="argument 'max_q_len'.*1 with sequence 1's "
+                                            "q_len = 3"):
+            run(inputs, attrs, max_q_len=1)
+        return
+    out = run(inputs, attrs, max_q_len=1)
+    assert torch.all(torch.isnan(out[1:4]))
+    expected = reference.ragged_paged_attention_ref(*inputs, **attrs)
+    assert_close(out[[0, 4]], expected[[0, 4]], torch.bfloat16)
+    assert torch.all(out[5:] == 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -441,6 +520,12 @@ def test_chain_in_one_executable():
 def test_rejects_bad_attributes(name, value):
     with pytest.raises(Exception, match=f"argument '{name}'"):
         run(_inputs(), {**attributes(64), name: value}, jit=False)
+
+
+def test_rejects_negative_max_q_len():
+    with pytest.raises(Exception, match="argument 'max_q_len': expected a bound >= 1 on every "
+                                        "q_len, or 0 for none, got -1"):
+        run(_inputs(), attributes(64), jit=False, max_q_len=-1)
 
 
 def _set(index, position, value):

@@ -13,7 +13,8 @@
 # With RAGGED="B,L,H,KVH,D ...", each setting also times ragged_paged_attention on B decode
 # steps at L tokens (H query heads, KVH kv heads, head size D; 64 sequence slots as the serving
 # engine pads them), three calls in a CUDA graph (bench/profile_ragged_attention.py --trace):
-# the decode engine as the serving step runs it, on the ragged op's K/V-interleaved cache. With
+# the decode engine as the serving step runs it, on the ragged op's K/V-interleaved cache
+# (RAGGED_ARGS adds that script's arguments: "--max-q-len 1", the decode kernel alone). With
 # SERVING=1 also the serving step (bench/serving_bench.py, ours, runs of decode steps, B=1,16,64).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -43,7 +44,8 @@ for setting in ${SETTINGS:-PARTITION=512}; do
     IFS=, read -r batch length heads kv_heads head_size <<< "$decode"
     python3 bench/profile_ragged_attention.py --decode "$batch,$length" \
       --heads "$heads,$kv_heads,$head_size" --max-num-seqs 64 \
-      --padding-rows $(( batch < 16 ? 16 - batch : 0 )) --trace 2>> "$OUT/tune-errors.txt" | \
+      --padding-rows $(( batch < 16 ? 16 - batch : 0 )) --trace ${RAGGED_ARGS:-} \
+      2>> "$OUT/tune-errors.txt" | \
       grep "calls in a CUDA graph" | sed "s/^/{$setting} ragged H=$heads KVH=$kv_heads D=$head_size: /" | \
       tee -a "$OUT/tune.jsonl"
   done
