@@ -77,6 +77,24 @@ def kv_cache_update_ref(key, value, kv_cache, slot_mapping):
     return cache.reshape(kv_cache.shape)
 
 
+def rotary_kv_cache_update_ref(qkv, cos, sin, kv_cache, slot_mapping):
+    """(q, new cache) of rotary_kv_cache_update: the q and k heads of qkv rotated by torch's
+    eager ops in qkv's dtype (transformers' Llama: x * cos + rotate_half(x) * sin), the k
+    heads and the v heads then written as kv_cache_update writes them."""
+    num_kv_heads = kv_cache.shape[2] // 2
+    num_q_heads = qkv.shape[1] - 2 * num_kv_heads
+    half = qkv.shape[2] // 2
+
+    def rotate(x):
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+    q = rotate(qkv[:, :num_q_heads])
+    k = rotate(qkv[:, num_q_heads:num_q_heads + num_kv_heads])
+    v = qkv[:, num_q_heads + num_kv_heads:]
+    return q, kv_cache_update_ref(k, v, kv_cache, slot_mapping)
+
+
 def kv_cache_update_slices_ref(kv, slices, kv_cache, num_slices):
     """vLLM's slice form: for i < num_slices[0], kv rows [new_start, +length) go to cache rows
     [cache_start, +length), slices = [cache_start, new_start, length] x max_slices."""

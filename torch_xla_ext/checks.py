@@ -188,6 +188,31 @@ def kv_cache_update(key, value, kv_cache, slot_mapping):
         _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")
 
 
+def rotary_kv_cache_update(qkv, cos, sin, kv_cache, slot_mapping):
+    op = "xla_ext.rotary_kv_cache_update"
+    _check_rank(op, "qkv", qkv, 3, "[num_tokens, num_q_heads + 2 * num_kv_heads, head_size]")
+    _check_dtype(op, "qkv", qkv, supported(op, "dtype", "qkv"))
+    _check_rank(op, "kv_cache", kv_cache, 4,
+                "[num_pages, page_size, 2 * num_kv_heads, head_size]")
+    _check_same_dtype(op, "kv_cache", kv_cache, "qkv", qkv)
+    num_tokens, row_heads, head_size = _shape(qkv)
+    combined, cache_head_size = _shape(kv_cache)[2:]
+    if combined % 2 or combined == 0 or cache_head_size != head_size or head_size % 2:
+        _fail(op, "kv_cache", f"[2 * num_kv_heads, {head_size}] in dimensions 2-3 (num_kv_heads "
+              ">= 1; an even head_size, qkv's)", f"shape {_shape(kv_cache)}")
+    if row_heads <= combined:
+        _fail(op, "qkv", f"num_q_heads + 2 * num_kv_heads heads in dimension 1 with num_q_heads "
+              f">= 1 (num_kv_heads = {combined // 2}, kv_cache's)", f"shape {_shape(qkv)}")
+    for arg, table in (("cos", cos), ("sin", sin)):
+        _check_same_dtype(op, arg, table, "qkv", qkv)
+        if _shape(table) != [num_tokens, head_size]:
+            _fail(op, arg, f"shape [{num_tokens}, {head_size}] (num_tokens, head_size of 'qkv')",
+                  f"shape {_shape(table)}")
+    _check_dtype(op, "slot_mapping", slot_mapping, ("int32",))
+    if _shape(slot_mapping) != [num_tokens]:
+        _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")
+
+
 def kv_cache_update_slices(kv, slot_mapping, kv_cache, num_kv_update_slices, page_size,
                            num_slices_per_block):
     """vLLM's names: `slot_mapping` holds the slices, int32 [3, max_slices]."""

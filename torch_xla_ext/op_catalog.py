@@ -20,6 +20,16 @@ def _caches(*names):
     return lambda a: [(a[n].shape, a[n].dtype) for n in names]
 
 
+def _rotary_results(a):
+    """(q, the new cache): q is qkv without its k and v heads. (Shapes stay valid for the calls
+    the handler itself refuses: qkv of another rank, too few heads.)"""
+    qkv, cache = a["qkv"], a["kv_cache"]
+    q = list(qkv.shape)
+    if len(q) >= 2 and len(cache.shape) >= 3:
+        q[1] = max(q[1] - cache.shape[2], 0)
+    return [(tuple(q), qkv.dtype), (cache.shape, cache.dtype)]
+
+
 SIMPLE_ADD = OpDef(
     name="simple_add",
     target="XlaGpuSimpleAdd",
@@ -109,6 +119,38 @@ KV_CACHE_UPDATE = OpDef(
         a["kv_cache"].shape[0] * a["kv_cache"].shape[1], "num_pages * page_size"),
 )
 
+ROTARY_KV_CACHE_UPDATE = OpDef(
+    name="rotary_kv_cache_update",
+    target="xla_ext.rotary_kv_cache_update",
+    schema="(Tensor qkv, Tensor cos, Tensor sin, Tensor kv_cache, Tensor slot_mapping) "
+           "-> (Tensor, Tensor)",
+    doc="""A decoder layer's rotary embedding and K/V write in one kernel: qkv
+    [num_tokens, num_q_heads + 2 * num_kv_heads, head_size] (each token's q heads, then k heads,
+    then v heads), cos and sin [num_tokens, head_size] (each token's rows of the rotary tables),
+    all of kv_cache's dtype (float32, float16 or bfloat16). Rotates the q and k heads as
+    transformers' Llama does (x * cos + rotate_half(x) * sin, rounded as torch's eager ops
+    round it) and writes token i's rotated k heads and its v heads into slot slot_mapping[i]
+    (int32; negative = skip) of kv_cache [num_pages, page_size, 2 * num_kv_heads, head_size]
+    (K of kv head h at combined head 2h, V at 2h + 1). Returns (q [num_tokens, num_q_heads,
+    head_size] rotated, the new cache), the cache written into kv_cache's buffer where the
+    caller lets it (a donated jit argument, or torch_xla's step aliasing).""",
+    operands=("qkv", "cos", "sin", "kv_cache", "slot_mapping"),
+    results=_rotary_results,
+    writes={1: "kv_cache"},
+    check=checks.rotary_kv_cache_update,
+    # The q, k and v heads share qkv's dimension 1 unevenly: heads do not split it, and the
+    # tokens write anywhere in the cache; a split call runs whole on every device.
+    layout=Layout(
+        operands={"qkv": "tokens qkv_heads head_size", "cos": "tokens head_size",
+                  "sin": "tokens head_size", "kv_cache": "pages page_size combined head_size",
+                  "slot_mapping": "tokens"},
+        results=("tokens q_heads head_size", "pages page_size combined head_size")),
+    value_args=("slot_mapping",),
+    check_values=lambda a, v: checks.slot_values(
+        "xla_ext.rotary_kv_cache_update", v["slot_mapping"],
+        a["kv_cache"].shape[0] * a["kv_cache"].shape[1], "num_pages * page_size"),
+)
+
 KV_CACHE_UPDATE_SLICES = OpDef(
     name="kv_cache_update_slices",
     target="xla_ext.kv_cache_update_slices",
@@ -180,4 +222,4 @@ RAGGED_PAGED_ATTENTION = OpDef(
 )
 
 OPS = (SIMPLE_ADD, PAGED_ATTENTION, RESHAPE_AND_CACHE, KV_CACHE_UPDATE, KV_CACHE_UPDATE_SLICES,
-       RAGGED_PAGED_ATTENTION)
+       ROTARY_KV_CACHE_UPDATE, RAGGED_PAGED_ATTENTION)

@@ -63,6 +63,20 @@ def kv_cache_update(num_tokens, num_kv_heads, head_size, num_pages, page_size, d
     return dict(key=key, value=value, kv_cache=kv_cache, slot_mapping=slots)
 
 
+def rotary_kv_cache_update(num_tokens, num_q_heads, num_kv_heads, head_size, num_pages,
+                           page_size, dtype, skipped=slice(None, None, 3), seed=0):
+    """{qkv, cos, sin, kv_cache, slot_mapping} for rotary_kv_cache_update: cos and sin of
+    random angles (a rotary table's rows), slots as kv_cache_update's."""
+    gen = _generator(seed, "cpu")
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_size,
+                      generator=gen).to(dtype)
+    angles = torch.rand(num_tokens, head_size, generator=gen) * 100.0
+    writes = kv_cache_update(num_tokens, num_kv_heads, head_size, num_pages, page_size, dtype,
+                             skipped, seed)
+    return dict(qkv=qkv, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+                kv_cache=writes["kv_cache"], slot_mapping=writes["slot_mapping"])
+
+
 # A ragged batch as serving makes them: chunked prefills beside decodes, a prefill with
 # q_len == kv_len, and an empty sequence.
 MIXED_BATCH = dict(q_lens=[5, 1, 1, 16, 0, 3], kv_lens=[37, 9, 100, 16, 4, 3])

@@ -18,6 +18,20 @@
 //   result                kv_cache_out (aliased to kv_cache by callers)
 //   Slice i copies kv rows [new_kv_start, +length) to cache rows [cache_start, +length).
 //
+// xla_ext.rotary_kv_cache_update (a decoder layer's rotary embedding and K/V write, one launch):
+//   qkv            [num_tokens, num_q_heads + 2 * num_kv_heads, head_size]  f32, f16 or bf16:
+//                  each token's q heads, then its k heads, then its v heads (one projection)
+//   cos, sin       [num_tokens, head_size] qkv's dtype: each token's rows of the rotary tables
+//   kv_cache       [num_pages, page_size, 2 * num_kv_heads, head_size] qkv's dtype
+//   slot_mapping   [num_tokens] s32, as kv_cache_update's
+//   results        q [num_tokens, num_q_heads, head_size]: the q heads rotated; kv_cache_out
+//                  (aliased to kv_cache by callers): the k heads rotated at combined head 2h,
+//                  the v heads as they are at 2h + 1
+//   The rotation is transformers' Llama one (rotate-half): x * cos + rotate_half(x) * sin with
+//   rotate_half(x) = (-x[d/2:], x[:d/2]), each product and the sum rounded to the dtype as
+//   torch's eager ops round them. (In the model this replaces XLA's concatenate and slice
+//   fusions of the rotation and the K/V write's launch: four kernels per layer, one now.)
+//
 // The data (slots, slices) is checked on the Host before anything is written: one bad entry
 // fails the call with InvalidArgument naming it and leaves the cache unchanged. CUDA cannot
 // report it without synchronising: a slot >= num_slots skips its token, a slice reaching out
@@ -41,6 +55,7 @@ namespace xla_ext::kv_cache_update {
 
 inline constexpr char kTarget[] = "xla_ext.kv_cache_update";
 inline constexpr char kSlicesTarget[] = "xla_ext.kv_cache_update_slices";
+inline constexpr char kRotaryTarget[] = "xla_ext.rotary_kv_cache_update";
 
 // Both ops' contract (kernels/common/contract.h): the dtypes a cache may hold (the rows
 // written take the cache's). The kernels copy bytes, but a cache of another dtype is no
@@ -62,6 +77,18 @@ struct SlotNames {
   static constexpr const char* kNumSlots = "num_pages * page_size";
 };
 using SlotMappingChecks = SlotChecks<int32_t, SlotNames>;
+struct RotarySlotNames {
+  static constexpr const char* kOp = kRotaryTarget;
+  static constexpr const char* kNumSlots = "num_pages * page_size";
+};
+using RotarySlotMappingChecks = SlotChecks<int32_t, RotarySlotNames>;
+
+// The rotary op's dtypes: qkv's and its tables' and cache's (the rotation is arithmetic).
+inline constexpr int64_t kRotaryDTypes[] = {XLA_FFI_DataType_F32, XLA_FFI_DataType_F16,
+                                            XLA_FFI_DataType_BF16};
+inline constexpr XlaExtSupportedValues kRotarySupported[] = {
+    contract::Supported("dtype", "qkv", kRotaryDTypes),
+};
 
 struct SlotShapes {
   int64_t num_tokens;
@@ -98,6 +125,79 @@ inline ffi::Error CheckSlots(const ffi::AnyBuffer& key, const ffi::AnyBuffer& va
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "kv_cache_out", kv_cache_out, dtype));
   shapes = SlotShapes{k[0], c[0] * c[1], k[1],
                       static_cast<int64_t>(k[2] * ffi::ByteWidth(dtype))};
+  return ffi::Error::Success();
+}
+
+struct RotaryShapes {
+  int64_t num_tokens;
+  int64_t num_q_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t num_slots;  // num_pages * page_size
+};
+
+inline ffi::Error CheckRotary(const ffi::AnyBuffer& qkv, const ffi::AnyBuffer& cos,
+                              const ffi::AnyBuffer& sin, const ffi::AnyBuffer& kv_cache,
+                              const ffi::AnyBuffer& slot_mapping, const ffi::AnyBuffer& q_out,
+                              const ffi::AnyBuffer& kv_cache_out, RotaryShapes& shapes) {
+  constexpr const char* op = kRotaryTarget;
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(op, "qkv", qkv, 3));
+  const ffi::DataType dtype = qkv.element_type();
+  if (!contract::Contains(kRotaryDTypes, static_cast<int64_t>(dtype))) {
+    return ArgumentError(op, "qkv", "dtype f32, f16 or bf16", std::string("dtype ") +
+                                                                  DTypeName(dtype));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckRank(op, "kv_cache", kv_cache, 4));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(op, "kv_cache", kv_cache, dtype));
+  const auto x = qkv.dimensions();
+  const auto c = kv_cache.dimensions();
+  const int64_t num_kv_heads = c[2] / 2;
+  if (c[2] % 2 != 0 || num_kv_heads == 0 || c[3] != x[2] || x[2] % 2 != 0) {
+    return ArgumentError(op, "kv_cache",
+                         "shape [num_pages, page_size, 2 * num_kv_heads, " + std::to_string(x[2]) +
+                             "] (num_kv_heads >= 1; an even head_size, qkv's)",
+                         "shape " + ShapeString(c));
+  }
+  if (x[1] <= 2 * num_kv_heads) {
+    return ArgumentError(op, "qkv",
+                         "shape [num_tokens, num_q_heads + 2 * num_kv_heads, head_size] with "
+                         "num_q_heads >= 1 (num_kv_heads = " + std::to_string(num_kv_heads) +
+                             ", kv_cache's)",
+                         "shape " + ShapeString(x));
+  }
+  for (const auto& [name, table] : {std::pair<const char*, const ffi::AnyBuffer*>{"cos", &cos},
+                                    {"sin", &sin}}) {
+    XLA_EXT_RETURN_IF_ERROR(CheckDType(op, name, *table, dtype));
+    const auto t = table->dimensions();
+    if (t.size() != 2 || t[0] != x[0] || t[1] != x[2]) {
+      return ArgumentError(op, name,
+                           "shape [" + std::to_string(x[0]) + ", " + std::to_string(x[2]) +
+                               "] (num_tokens, head_size of qkv)",
+                           "shape " + ShapeString(t));
+    }
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(op, "slot_mapping", slot_mapping, ffi::DataType::S32));
+  if (slot_mapping.dimensions().size() != 1 || slot_mapping.dimensions()[0] != x[0]) {
+    return ArgumentError(op, "slot_mapping", "shape [" + std::to_string(x[0]) + "]",
+                         "shape " + ShapeString(slot_mapping.dimensions()));
+  }
+  const int64_t num_q_heads = x[1] - 2 * num_kv_heads;
+  const auto q = q_out.dimensions();
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(op, "q", q_out, dtype));
+  if (q.size() != 3 || q[0] != x[0] || q[1] != num_q_heads || q[2] != x[2]) {
+    return ArgumentError(op, "q",
+                         "shape [" + std::to_string(x[0]) + ", " + std::to_string(num_q_heads) +
+                             ", " + std::to_string(x[2]) + "]",
+                         "shape " + ShapeString(q));
+  }
+  XLA_EXT_RETURN_IF_ERROR(CheckSameShape(op, "kv_cache_out", kv_cache_out, "kv_cache",
+                                         kv_cache));
+  XLA_EXT_RETURN_IF_ERROR(CheckDType(op, "kv_cache_out", kv_cache_out, dtype));
+  if (x[0] > INT32_MAX || x[1] * x[2] > INT32_MAX) {
+    return ArgumentError(op, "qkv", "fewer than 2^31 tokens, and of elements per token",
+                         "shape " + ShapeString(x));
+  }
+  shapes = RotaryShapes{x[0], num_q_heads, num_kv_heads, x[2], c[0] * c[1]};
   return ffi::Error::Success();
 }
 
@@ -223,6 +323,29 @@ auto BindSlices(Binding binding) {
       .template Attr<int64_t>("num_slices_per_block")
       .template Attr<int64_t>("page_size")
       .template Ret<ffi::AnyBuffer>();  // kv_cache_out
+}
+
+template <typename Binding>
+auto BindRotary(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()   // qkv
+      .template Arg<ffi::AnyBuffer>()   // cos
+      .template Arg<ffi::AnyBuffer>()   // sin
+      .template Arg<ffi::AnyBuffer>()   // kv_cache
+      .template Arg<ffi::AnyBuffer>()   // slot_mapping
+      .template Ret<ffi::AnyBuffer>()   // q
+      .template Ret<ffi::AnyBuffer>();  // kv_cache_out
+}
+
+// One rotated pair of elements (j and j + head_size / 2 of a head's row), as torch rounds
+// x * cos + rotate_half(x) * sin in eager: each product, then the sum, in the dtype (To), with
+// no fused multiply-add (Mul and Add are exact-rounding float operations).
+template <typename To, typename Mul, typename Add>
+XLA_EXT_HOST_DEVICE inline void RotatePair(float x1, float x2, float cos1, float cos2,
+                                           float sin1, float sin2, To to, Mul mul, Add add,
+                                           float& out1, float& out2) {
+  out1 = to(add(to(mul(x1, cos1)), to(mul(-x2, sin1))));
+  out2 = to(add(to(mul(x2, cos2)), to(mul(x1, sin2))));
 }
 
 }  // namespace xla_ext::kv_cache_update

@@ -100,6 +100,92 @@ def test_slot_bad_arguments(change, message):
         xla_ext_jax.kv_cache_update(*map(to_jax, inputs))
 
 
+def make_rotary_inputs(num_tokens, num_q_heads, num_kv_heads, head_size, num_pages, page_size,
+                       dtype, seed=0):
+    return tuple(sample_inputs.rotary_kv_cache_update(
+        num_tokens, num_q_heads, num_kv_heads, head_size, num_pages, page_size, dtype,
+        seed=seed).values())
+
+
+def run_rotary(inputs, jit=True):
+    fn = jax.jit(xla_ext_jax.rotary_kv_cache_update) if jit else \
+        xla_ext_jax.rotary_kv_cache_update
+    return [to_torch(x) for x in fn(*map(to_jax, inputs))]
+
+
+ROTARY_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", ROTARY_DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_size,num_pages,page_size", [
+    (16, 32, 8, 64, 40, 16),  # the 1B model's decode bucket
+    (1, 32, 8, 128, 3, 16),
+    (37, 4, 2, 128, 9, 8),
+    (5, 3, 1, 10, 2, 4),  # half rows of 5 elements: one element a thread on CUDA
+    (0, 2, 1, 64, 2, 8),
+])
+def test_rotary_matches_reference(num_tokens, num_q_heads, num_kv_heads, head_size, num_pages,
+                                  page_size, dtype):
+    # Bit for bit: the same roundings as torch's eager ops, on any platform.
+    inputs = make_rotary_inputs(num_tokens, num_q_heads, num_kv_heads, head_size, num_pages,
+                                page_size, dtype)
+    q, cache = run_rotary(inputs)
+    want_q, want_cache = reference.rotary_kv_cache_update_ref(*inputs)
+    assert_same(q, want_q)
+    assert_same(cache, want_cache)
+
+
+def test_rotary_in_place_when_donated():
+    qkv, cos, sin, kv_cache, slots = make_rotary_inputs(7, 4, 2, 64, 3, 8, torch.bfloat16)
+    cache = jax.numpy.copy(to_jax(kv_cache))
+    pointer = cache.unsafe_buffer_pointer()
+    step = jax.jit(xla_ext_jax.rotary_kv_cache_update, donate_argnums=(3,))
+    q, new_cache = step(to_jax(qkv), to_jax(cos), to_jax(sin), cache, to_jax(slots))
+    assert new_cache.unsafe_buffer_pointer() == pointer and cache.is_deleted()
+    want_q, want_cache = reference.rotary_kv_cache_update_ref(qkv, cos, sin, kv_cache, slots)
+    assert_same(to_torch(q), want_q)
+    assert_same(to_torch(new_cache), want_cache)
+
+
+def test_rotary_slot_out_of_range():
+    qkv, cos, sin, kv_cache, _ = make_rotary_inputs(4, 4, 2, 64, 2, 8, torch.float32)
+    slots = torch.tensor([0, 16, 3, -1], dtype=torch.int32)  # 16 == num_pages * page_size
+    inputs = (qkv, cos, sin, kv_cache, slots)
+    message = r"rotary_kv_cache_update: argument 'slot_mapping'.*slot_mapping\[1\] = 16"
+    with pytest.raises(TorchXlaExtError, match=message):
+        run_rotary(inputs, jit=False)
+    if HANDLERS_CHECK_DATA:
+        with pytest.raises(Exception, match=message):
+            run_rotary(inputs)
+    else:  # CUDA skips the token's cache rows; its q rows are still rotated
+        q, cache = run_rotary(inputs)
+        want_q, want_cache = reference.rotary_kv_cache_update_ref(
+            qkv, cos, sin, kv_cache, torch.tensor([0, -1, 3, -1], dtype=torch.int32))
+        assert_same(q, want_q)
+        assert_same(cache, want_cache)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x, c, s, k, m: (x, c, s, k, m.long()),
+     "argument 'slot_mapping': expected dtype int32"),
+    (lambda x, c, s, k, m: (x, c.half(), s, k, m),
+     r"argument 'cos': expected dtype float32 \(the dtype of 'qkv'\)"),
+    (lambda x, c, s, k, m: (x, c, s[:, :32], k, m),
+     r"argument 'sin': expected shape \[4, 64\] \(num_tokens, head_size of 'qkv'\)"),
+    (lambda x, c, s, k, m: (x[:, :4], c, s, k, m),
+     r"argument 'qkv': expected num_q_heads \+ 2 \* num_kv_heads heads in dimension 1 with "
+     r"num_q_heads >= 1 \(num_kv_heads = 2, kv_cache's\), got shape \[4, 4, 64\]"),
+    (lambda x, c, s, k, m: (x, c, s, k[:, :, :3], m),
+     r"argument 'kv_cache': expected \[2 \* num_kv_heads, 64\] in dimensions 2-3"),
+    (lambda x, c, s, k, m: (x.double(), c.double(), s.double(), k.double(), m),
+     r"argument 'qkv': expected dtype float32, float16 or bfloat16"),
+])
+def test_rotary_bad_arguments(change, message):
+    inputs = change(*make_rotary_inputs(4, 4, 2, 64, 2, 8, torch.float32))
+    with pytest.raises(TorchXlaExtError, match=message):
+        xla_ext_jax.rotary_kv_cache_update(*map(to_jax, inputs))
+
+
 def make_slice_inputs(dtype, num_combined_heads=4, head_size=64, num_pages=6, page_size=8,
                       seed=0):
     """Three sequences' new tokens (5, 1 and 11 of them), each split at page boundaries into

@@ -389,6 +389,37 @@ def test_kv_cache_update_slices_matches_reference(dtype, data, extra_columns, ju
         assert_same_bits(want[slot], args["kv"][row])
 
 
+def rotary_write_inputs(w, num_q_heads):
+    """qkv (finite values: the rotation is arithmetic), cos and sin of random angles, the
+    combined cache (random bits) and the slots of cache_writes' step."""
+    num_tokens, h, d, dtype, gen = (len(w["slots"]), w["num_kv_heads"], w["head_size"],
+                                    w["dtype"], w["gen"])
+    angles = torch.rand(num_tokens, d, generator=gen) * 100.0
+    return dict(qkv=randn((num_tokens, num_q_heads + 2 * h, d), dtype, gen),
+                cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+                kv_cache=random_bits((w["num_blocks"], w["block_size"], 2 * h, d), dtype, gen),
+                slot_mapping=torch.tensor(w["slots"], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@properties(max_examples=8)
+@given(data=st.data(), num_q_heads=st.integers(1, 4))
+def test_rotary_kv_cache_update_matches_reference(dtype, data, num_q_heads):
+    w = data.draw(cache_writes([dtype], head_sizes=(2, 6, 16, 64)))
+    op = OPS["rotary_kv_cache_update"]
+    args = rotary_write_inputs(w, num_q_heads)
+    kv_cache = args["kv_cache"].clone()
+    want_q, want_cache = reference.rotary_kv_cache_update_ref(**args)
+    for mode in ("jax", "jit", "donate", "handler"):
+        q, cache = run_jax(op, args, mode)
+        assert_same_bits(q, want_q)
+        assert_same_bits(cache, want_cache)
+    q, cache = run_torch(op, args)
+    assert_same_bits(q, want_q)
+    assert_same_bits(cache, want_cache)
+    assert_same_bits(args["kv_cache"], kv_cache)  # the functional op leaves its input alone
+
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -763,6 +794,42 @@ def test_kv_cache_update_rejects(bad, w, data):
     args = dict(key=key, value=value, kv_cache=kv_cache,
                 slot_mapping=torch.tensor(w["slots"], dtype=torch.int32))
     check_rejected(OPS["kv_cache_update"], bad.change(args, data.draw), bad)
+
+
+# rotary_kv_cache_update
+ROTARY_BAD = [
+    Bad("qkv_rank", "qkv", lambda a, draw: _with(a, qkv=_bad_rank(a["qkv"], draw))),
+    # JAX without x64 would give the handler float32: only the Python side sees float64.
+    Bad("qkv_dtype", "qkv", lambda a, draw: _with(a, **{n: a[n].to(torch.float64) for n in (
+        "qkv", "cos", "sin", "kv_cache")}), FRONT_END),
+    Bad("kv_cache_dtype", "kv_cache", lambda a, draw: _with(a, kv_cache=a["kv_cache"].to(
+        _other(DTYPES, a["kv_cache"].dtype)(draw)))),
+    Bad("kv_cache_heads", "kv_cache", lambda a, draw: _with(a, kv_cache=_grow_or_shrink(
+        a["kv_cache"], 2, draw))),
+    Bad("head_size", "kv_cache", lambda a, draw: _with(a, **{n: _grow_or_shrink(
+        a[n], a[n].dim() - 1, draw) for n in ("qkv", "cos", "sin")})),
+    Bad("cos_dtype", "cos", lambda a, draw: _with(a, cos=a["cos"].to(
+        _other(DTYPES, a["cos"].dtype)(draw)))),
+    Bad("sin_shape", "sin", lambda a, draw: _with(a, sin=_grow_or_shrink(
+        a["sin"], draw(st.integers(0, 1)), draw))),
+    Bad("slot_mapping_dtype", "slot_mapping", lambda a, draw: _with(a, slot_mapping=a[
+        "slot_mapping"].to(draw(st.sampled_from([torch.int64, torch.int16]))))),
+    Bad("slot_mapping_shape", "slot_mapping", lambda a, draw: _with(a, slot_mapping=(
+        _grow_or_shrink(a["slot_mapping"], 0, draw) if draw(st.booleans())
+        else a["slot_mapping"][None]))),
+    Bad("slot_beyond_cache", "slot_mapping", lambda a, draw: _with(a, slot_mapping=_set(
+        a["slot_mapping"], _slot_index(a, draw),
+        _data(draw, _num_slots(a["kv_cache"]), INT32_MAX)))),
+]
+
+
+@pytest.mark.parametrize("bad", ROTARY_BAD, ids=repr)
+@properties(max_examples=4)
+@given(w=cache_writes(DTYPES, head_sizes=(2, 16), at_least_one_token=True),
+       num_q_heads=st.integers(1, 3), data=st.data())
+def test_rotary_kv_cache_update_rejects(bad, w, num_q_heads, data):
+    args = rotary_write_inputs(w, num_q_heads)
+    check_rejected(OPS["rotary_kv_cache_update"], bad.change(args, data.draw), bad)
 
 
 # kv_cache_update_slices
