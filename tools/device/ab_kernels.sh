@@ -85,7 +85,7 @@ case "${1:-}" in
         dir=$(variant_dir "$name")
         [[ -f $dir/torch_xla_ext/lib/libxla_ext_kernels.so ]] || {
           echo "run: $name is not built (tools/device/ab_kernels.sh build $name)" >&2; exit 2; }
-        ( cd "$dir" && PYTHONPATH="$dir" "$@" 2>&1 | sed "s/^/[$name] /" )
+        ( cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$@" 2>&1 | sed "s/^/[$name] /" )
       done
     done
     ;;

@@ -56,6 +56,26 @@
 #   clocks_ragged: the SM clock, power draw and clock-event reasons nvidia-smi samples while
 #             four bench/ragged_bench.py mixes run back to back (profile_ragged_attention.py
 #             --clocks) -> <gpu>-ragged-clocks.txt
+#   serving_ab: the serving step of the working tree beside a baseline's in one lease: the
+#             baseline is the tools/device/ab_kernels.sh variant .ab/$AB_BASE (default "base",
+#             made here with `tools/device/ab_kernels.sh prepare base REV PATHS...`, PATHS the
+#             kernel and Python files where REV and the tree differ; carry .ab). AB_PART picks a
+#             part, each fitting a call, in this order on one warm machine:
+#               build:   both variants' kernels (ab_kernels.sh build, sm_90a)
+#               kernels: the tree's GPU tests of the changed ops (AB_TESTS_K: pytest's -k,
+#                        below), then each variant's
+#                        attention call of a decode step of the 1B model at B = 1, 16, 64
+#                        (2k contexts; bench/profile_ragged_attention.py --trace, the tree's
+#                        with --max-q-len 1 as its engine calls it; AB_MIN_CTA_STAGES="2 8"
+#                        adds the tree with XLA_EXT_DECODE_MIN_CTA_STAGES of each) ->
+#                        <gpu>-serving-ab.txt
+#               ncu:     Nsight Compute on the tree's decode kernel alone at B = 1 and 16
+#               sanitize: those tests (but the largest batches) under compute-sanitizer memcheck
+#                        and racecheck (both appended to the same file)
+#               serving: each variant's bench/serving_bench.py (ours, runs of 8 decode steps at
+#                        B = 1, 16, 64 and the mixed step; SERVING_ARGS adds arguments) with its
+#                        kernels in order -> <gpu>-serving.json ({"runs": {base, tree}}),
+#                        <gpu>-serving-timeline.txt (both), the logs in <gpu>-serving.txt
 #   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
 #             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
@@ -77,6 +97,7 @@ TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == ragged ]] && TESTS="$OUT/$GPU-ragged-tests.txt"
 [[ $PHASE == serving || $PHASE == serving_flags ]] && TESTS="$OUT/$GPU-serving-summary.txt"
 [[ $PHASE == tp ]] && TESTS="$OUT/$GPU-serving-tp-summary.txt"
+[[ $PHASE == serving_ab ]] && TESTS="$OUT/$GPU-serving-ab.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
   SANITIZERS=("$@")
@@ -130,10 +151,89 @@ sanitize() {  # tools...
 status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
 [[ $PHASE == bench || $PHASE == kv_cache || $PHASE == tp1 || $PHASE == tp2 || $PHASE == serving_flags \
-   || $PHASE == ncu_mixes || $PHASE == ncu_ragged || $PHASE == clocks_ragged ]] \
+   || $PHASE == ncu_mixes || $PHASE == ncu_ragged || $PHASE == clocks_ragged \
+   || ( $PHASE == serving_ab && ${AB_PART:-} != kernels ) ]] \
   || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+if [[ $PHASE == serving_ab ]]; then
+  BASE="${AB_BASE:-base}"
+  # The new and changed ops' tests (the decode-only attention call, the rotary K/V write).
+  AB_TESTS_FILES=(tests/kernels/test_ragged_paged_attention.py tests/kernels/test_kv_cache_update.py)
+  AB_TESTS_K="${AB_TESTS_K:-decode_only or max_q_len or rotary or pure_decode or chain}"
+  case "${AB_PART:-}" in
+    build)
+      step "build: tools/device/ab_kernels.sh build $BASE tree"
+      tools/device/ab_kernels.sh build "$BASE" tree 2>&1 | tee -a "$TESTS" | \
+        grep -q "exit [1-9]" && status=1
+      ;;
+    kernels)
+      step "the tree's GPU tests: ${AB_TESTS_FILES[*]} -k '$AB_TESTS_K'"
+      XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" "${AB_TESTS_FILES[@]}" -k "$AB_TESTS_K" 2>&1 | \
+        tail -3 | tee -a "$TESTS" || status=1
+      for batch in 1 16 64; do
+        # AB_MIN_CTA_STAGES: the tree again with each of these XLA_EXT_DECODE_MIN_CTA_STAGES.
+        for run in "$BASE" tree ${AB_MIN_CTA_STAGES:-}; do
+          name=$run
+          [[ $run =~ ^[0-9]+$ ]] && name=tree
+          step "$run: the 1B model's attention call, decode B=$batch, 2k contexts (3 calls in a CUDA graph)"
+          flags=(--decode "$batch,2048" --heads 32,8,64 --max-num-seqs 64
+                 --padding-rows $(( batch < 16 ? 16 - batch : 0 )) --trace)
+          [[ $name == tree ]] && flags+=(--max-q-len 1)
+          stages=$([[ $run =~ ^[0-9]+$ ]] && echo "$run")
+          XLA_EXT_DECODE_MIN_CTA_STAGES=$stages tools/device/ab_kernels.sh run "$name" -- \
+            python3 bench/profile_ragged_attention.py "${flags[@]}" 2>&1 | grep -v -i warn | \
+            tee -a "$TESTS"
+        done
+      done
+      ;;
+    ncu)
+      command -v ncu > /dev/null || { step "ncu: not installed on this machine"; exit 1; }
+      for batch in 1 16; do
+        step "ncu: the tree's decode kernel alone (max_q_len 1), B=$batch, 2k contexts, 1B heads"
+        ncu --clock-control none --kernel-name regex:AttendTensorCore --launch-skip 3 \
+          --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy \
+          --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+          python3 bench/profile_ragged_attention.py --decode "$batch,2048" --heads 32,8,64 \
+          --max-num-seqs 64 --padding-rows $(( batch < 16 ? 16 - batch : 0 )) --max-q-len 1 \
+          2>&1 | grep -v "^==PROF==" | sed -n '/Section: /,$p' | tee -a "$TESTS"
+      done
+      ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        sanitize_run "$tool" 0 "the tree's tests above but the large decode batches" \
+          "${AB_TESTS_FILES[@]}" -k "($AB_TESTS_K) and not one_long and not b64 and not head_dims"
+      done
+      ;;
+    serving)
+      LOG="$OUT/$GPU-serving.txt"
+      : > "$LOG"
+      for name in "$BASE" tree; do
+        step "$name: bench/serving_bench.py --impls ours --modes runs" | tee -a "$LOG"
+        rm -f "/tmp/serving-timeline-$name.txt"
+        tools/device/ab_kernels.sh run "$name" -- timeout 280 python3 bench/serving_bench.py \
+          --impls ours --modes runs --steps 24 --out "/tmp/serving-$name.json" \
+          --timeline "/tmp/serving-timeline-$name.txt" ${SERVING_ARGS:-} 2>&1 | \
+          grep -v -i warn | tee -a "$LOG" | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
+      done
+      python3 - "$OUT/$GPU-serving.json" "$BASE" /tmp/serving-"$BASE".json tree /tmp/serving-tree.json \
+        <<'PY' || status=1
+import json, sys
+out, runs = sys.argv[1], dict(zip(sys.argv[2::2], sys.argv[3::2]))
+json.dump({"note": "one lease: the baseline variant, then the working tree",
+           "runs": {name: json.load(open(path)) for name, path in runs.items()}},
+          open(out, "w"), indent=1)
+PY
+      for name in "$BASE" tree; do
+        sed "s/^== /== $name: /" "/tmp/serving-timeline-$name.txt"
+      done > "$OUT/$GPU-serving-timeline.txt"
+      ;;
+    *) step "serving_ab: AB_PART must be build, kernels, serving, ncu or sanitize, got '${AB_PART:-}'"
+       exit 2 ;;
+  esac
+  step "done, status $status"
+  exit $status
+fi
 if [[ ${SKIP_BUILD:-0} == 1 && -f torch_xla_ext/lib/libxla_ext_kernels.so ]]; then
   step "build: skipped (SKIP_BUILD=1; the libraries of an earlier phase)"
 else
