@@ -23,10 +23,14 @@ from torch_xla_ext.errors import TorchXlaExtError
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
     """Static shape of a step: num_tokens rows (the bucket), max_num_seqs sequences of at most
-    pages_per_seq pages. Hashable: a jit's static argument."""
+    pages_per_seq pages. Hashable: a jit's static argument. max_q_len 1 marks a step of decode
+    steps only (one row per sequence), which ragged_paged_attention's CUDA handler runs on its
+    decode kernel alone (its max_q_len); 0, any step. It is part of the step's shape: such a
+    step compiles once per bucket of its own."""
     num_tokens: int
     max_num_seqs: int
     pages_per_seq: int
+    max_q_len: int = 0
 
     @property
     def sizes(self):
@@ -80,9 +84,12 @@ class HostBatch:
         self._turn = 0
 
     def pack(self, chunks, tables, bucket, page_size, num_pages):
-        """(layout, packed buffer) of a step running `chunks` in the given bucket."""
+        """(layout, packed buffer) of a step running `chunks` in the given bucket; the layout
+        says max_q_len 1 when every chunk is one token (decode steps only)."""
         self._turn ^= 1
         layout = self.layouts[bucket]
+        if chunks and all(c.num_tokens == 1 for c in chunks):
+            layout = dataclasses.replace(layout, max_q_len=1)
         return layout, build(chunks, tables, layout, page_size, num_pages,
                              out=self._buffers[bucket][self._turn])
 
@@ -125,5 +132,5 @@ def build(chunks, tables, layout, page_size, num_pages, out=None):
     checks.slot_values("xla_ext.kv_cache_update", a["slot_mapping"], num_pages * page_size,
                        "num_pages * page_size")
     checks.ragged_values(a["kv_lens"], a["page_indices"], a["cu_q_lens"], a["num_seqs"],
-                         layout.num_tokens, page_size, num_pages)
+                         layout.num_tokens, page_size, num_pages, layout.max_q_len)
     return packed

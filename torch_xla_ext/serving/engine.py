@@ -139,7 +139,7 @@ class Engine:
         # logits or None).
         self._unreported = collections.deque()
         self.buckets_used = set()
-        self._graphs_used = set()  # (bucket, a run of decode steps)
+        self._graphs_used = set()  # (bucket, a run of decode steps, max_q_len)
         self._steps = 0
         self._launches = 0
         self._next_id = 0
@@ -215,7 +215,7 @@ class Engine:
                                                     self.weights, donated, packed,
                                                     self._previous_tokens)
             self._previous_tokens = outputs[0]
-        graph = (bucket, run)
+        graph = (bucket, run, layout.max_q_len)
         launched = _Launched(self._launches, steps, bucket, graph not in self._graphs_used,
                              outputs, donated)
         self.buckets_used.add(bucket)

@@ -3,14 +3,17 @@ query attention, SwiGLU), written in plain torch over our ops, so that one funct
 torch_xla (lazy tensors: one XLA graph per step) and under torchax (a jax.jit function).
 
 Weights come from a `transformers` LlamaForCausalLM (`weights_from_hf`); q/k/v and gate/up
-projections are concatenated so that a layer runs three matmuls, not seven. Each layer writes
-this step's K/V into its paged cache with torch.ops.xla_ext.kv_cache_update (in place) and
-attends with torch.ops.xla_ext.ragged_paged_attention; the step ends with greedy sampling
-(argmax) of each sequence's last row, so only token ids leave the device.
+projections are concatenated so that a layer runs three matmuls, not seven. Each layer rotates
+its q and k heads and writes this step's K/V into its paged cache with
+torch.ops.xla_ext.rotary_kv_cache_update (one kernel, where XLA made three fusions of the
+rotation's concatenates and slices and the write was a fourth launch; split over devices, the
+rotation in torch and torch.ops.xla_ext.kv_cache_update) and attends with
+torch.ops.xla_ext.ragged_paged_attention; the step ends with greedy sampling (argmax) of each
+sequence's last row, so only token ids leave the device.
 """
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -139,10 +142,13 @@ def _rotate(x, cos, sin):
 class AttentionOps:
     """The ops a layer attends with: write_kv(key, value, cache, slot_mapping) returns the cache
     holding the step's K/V (the same tensor, written in place, or a new one), and
-    attend(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=...) is
-    ragged_paged_attention."""
+    attend(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=..., max_q_len=...)
+    is ragged_paged_attention. rotary_write_kv(qkv, cos, sin, cache, slot_mapping) ->
+    (q, cache), where given, rotates q and k and writes K/V in one call instead of the
+    rotation in torch and write_kv (rotary_kv_cache_update; the model's heads whole)."""
     write_kv: Callable
     attend: Callable
+    rotary_write_kv: Optional[Callable] = None
 
 
 def _write_kv_in_place(key, value, cache, slot_mapping):
@@ -160,7 +166,8 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     int32, the greedy pick for each sequence's last row in this step) + (logits
     [max_num_seqs, vocab] when with_logits), the caches written)."""
     if ops is None:
-        ops = AttentionOps(_write_kv_in_place, torch.ops.xla_ext.ragged_paged_attention)
+        ops = AttentionOps(_write_kv_in_place, torch.ops.xla_ext.ragged_paged_attention,
+                           torch.ops.xla_ext.rotary_kv_cache_update)
     inputs = layout.unpack(packed)
     t, h, kvh, d = layout.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
     n = shape.shards
@@ -172,15 +179,21 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     written = []
     for layer, cache in zip(weights["layers"], caches):
         qkv = F.linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
-                       layer["qkv_bias"]).reshape(t, n, -1)  # shard by shard (LlamaShape.shards)
-        q, k, v = qkv.split([h // n * d, kvh // n * d, kvh // n * d], dim=-1)
-        q = _rotate(q.reshape(t, h, d), cos, sin)
-        k = _rotate(k.reshape(t, kvh, d), cos, sin)
-        cache = ops.write_kv(k, v.reshape(t, kvh, d), cache, inputs["slot_mapping"])
+                       layer["qkv_bias"])
+        if ops.rotary_write_kv is not None and n == 1:  # rows q, k, v: [t, h + 2 kvh, d]
+            q, cache = ops.rotary_write_kv(qkv.reshape(t, h + 2 * kvh, d), cos, sin, cache,
+                                           inputs["slot_mapping"])
+        else:
+            # Shard by shard (LlamaShape.shards): each shard's q, k and v rows.
+            q, k, v = qkv.reshape(t, n, -1).split([h // n * d, kvh // n * d, kvh // n * d],
+                                                  dim=-1)
+            q = _rotate(q.reshape(t, h, d), cos, sin)
+            k = _rotate(k.reshape(t, kvh, d), cos, sin)
+            cache = ops.write_kv(k, v.reshape(t, kvh, d), cache, inputs["slot_mapping"])
         written.append(cache)
         attn = ops.attend(
             q, cache, inputs["kv_lens"], inputs["page_indices"], inputs["cu_q_lens"],
-            inputs["num_seqs"], sm_scale=shape.sm_scale)
+            inputs["num_seqs"], sm_scale=shape.sm_scale, max_q_len=layout.max_q_len)
         x = x + F.linear(attn.reshape(t, h * d), layer["o"], layer["o_bias"])
         gate, up = F.linear(_rms_norm(x, layer["post_norm"], shape.rms_norm_eps),
                             layer["gate_up"], layer["gate_up_bias"]).reshape(t, n, 2, -1).unbind(2)
