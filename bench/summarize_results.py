@@ -26,7 +26,11 @@ FILE_NAME = re.compile(r"^(?P<gpu>[a-z]+[0-9]*(?:x[0-9]+)?)(?:-(?P<kind>.+?))?\.
 # kind (the file name between "<gpu>-" and the extension; "" for <gpu>.json) -> what wrote it.
 # Kinds given as a pattern match several names (a model, a TP size, a backend, a tool).
 KINDS = {
-    "serving": "`tools/device/run.sh serving`: bench/serving_bench.py, the engine through torchax",
+    "serving": "`tools/device/run.sh serving` (one run) or `serving_ab` (a baseline's run, then "
+               "the working tree's, in one lease): bench/serving_bench.py, the engine through "
+               "torchax",
+    "serving-ab": "`tools/device/run.sh serving_ab`: the working tree's GPU tests, its attention "
+                  "call against the baseline's, Nsight Compute and compute-sanitizer",
     "serving-flags": "`tools/device/run.sh serving_flags`: serving_bench.py with $SERVING_XLA_FLAGS",
     r"serving-(?P<model>[a-z0-9]+)-tp(?P<tp>[0-9]+)": "`tools/device/run.sh tp` (on several GPUs: "
                                                       "GPU=h100x2, h100x4): serving_bench.py per "
@@ -36,8 +40,9 @@ KINDS = {
     "serving-compare": "`tools/device/run.sh serving`: bench/serving_compare.py",
     "serving-tp-timeline": "`tools/device/run.sh tp`: serving_bench.py --timeline per model and "
                            "TP size, the busiest GPU's kernels in order",
-    "serving-timeline": "`tools/device/run.sh serving`: bench/serving_bench.py --timeline, "
-                        "each profile's kernels in order on the GPU, idle time before each",
+    "serving-timeline": "`tools/device/run.sh serving` (or `serving_ab`, each run's): "
+                        "bench/serving_bench.py --timeline, each profile's kernels in order on "
+                        "the GPU, idle time before each",
     "": "`tools/device/run.sh bench`: bench/decode_bench.py (paged attention, simple_add, dispatch)",
     "decode-uniform": "`tools/device/run.sh decode`: bench/decode_bench.py --skip-add",
     "decode-mixes": "`tools/device/run.sh decode`: bench/decode_mixes_bench.py --flashinfer",
@@ -77,7 +82,8 @@ KINDS = {
 
 # Where one kind has files of two extensions that say different things.
 BY_EXTENSION = {
-    ("serving", "txt"): "`tools/device/run.sh serving`: the phase's whole log",
+    ("serving", "txt"): "`tools/device/run.sh serving` (or `serving_ab`): the benchmark's "
+                        "whole log",
     ("torch-xla-gpu", "json"): "`tools/device/torch_xla_gpu.sh run proof`: the proof's record",
     ("torch-xla-gpu", "txt"): "`tools/device/torch_xla_gpu.sh run proof`: its log",
 }
@@ -190,7 +196,30 @@ def kinds_table(labelled_profiles):
 
 
 def serving(f):
-    d = f.data
+    """One serving_bench run, or (run.sh serving_ab) several of one lease side by side, then
+    each."""
+    if "runs" not in f.data:
+        return serving_run(f, f.data)
+    runs = f.data["runs"]
+    names = list(runs)
+    keyed = {n: {(r["shape"], r.get("scheduling")): r for r in runs[n]["rows"]
+                 if r["impl"].startswith("xla_ext_")} for n in names}
+    steps = list(dict.fromkeys(k for n in names for k in keyed[n]))
+    lines = [source_line(f, f.data.get("note", "")), ""]
+    lines += table(["step", "scheduling"] + [f"{n} ms per step" for n in names]
+                   + [f"{names[-1]} / {names[0]}"],
+                   [[shape, scheduling or NOTHING]
+                    + [fmt(keyed[n].get((shape, scheduling), {}).get("time_per_step_ms"), 2)
+                       for n in names]
+                    + [ratio(keyed[names[-1]].get((shape, scheduling), {}).get("time_per_step_ms"),
+                             keyed[names[0]].get((shape, scheduling), {}).get("time_per_step_ms"))]
+                    for shape, scheduling in steps])
+    for n in names:
+        lines += ["", f"Run '{n}':", ""] + serving_run(f, runs[n])[2:]
+    return lines
+
+
+def serving_run(f, d):
     extra = f"{d.get('model')} model, {d.get('dtype')}, {d.get('backend', 'torchax')}, " \
             f"context {d.get('context')}, copy {fmt(d.get('copy_gbps'), 0)} GB/s"
     if d.get("xla_flags"):
@@ -651,7 +680,7 @@ SECTIONS = [
 LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),
         (r"sanitize(?:-(?P<tools>[a-z-]+))?", "txt"), ("plugin", "txt"),
         ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("torch-xla-legacy", "txt"),
-        ("torch-xla-failures", "txt"), ("serving-summary", "txt")]
+        ("torch-xla-failures", "txt"), ("serving-summary", "txt"), ("serving-ab", "txt")]
 PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"),
             (r"ncu-ragged-sass-(?P<table>[0-9]+)", "csv"), ("dispatch-record-probe", "txt"),
             ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt"),
