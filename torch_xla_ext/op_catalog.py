@@ -198,7 +198,8 @@ RAGGED_PAGED_ATTENTION = OpDef(
     Rows no sequence owns are zeros; entries past num_seqs are never read. max_q_len (not in
     torch_xla's schema): 0, or a bound on every sequence's q_len that the caller promises; 1, a
     batch of decode steps only, lets the CUDA handler run its decode kernel alone (a sequence
-    with more rows then gets NaN rows there; the checks and the Host handler refuse it).""",
+    with more rows then gets NaN rows there; the checks and the Host handler refuse it; two such
+    calls must not run at once on one GPU, on two streams).""",
     operands=("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"),
     attributes={"sm_scale": "float32", "sliding_window": "int32", "soft_cap": "float32",
                 "mask_value": "float32", "k_scale": "float32", "v_scale": "float32",
