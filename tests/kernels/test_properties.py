@@ -757,6 +757,19 @@ def test_reshape_and_cache_rejects(bad, w, data):
     check_rejected(OPS["reshape_and_cache"], bad.change(args, data.draw), bad)
 
 
+# The int32 slot_mapping of the ops that write the combined cache "kv_cache" by slot.
+SLOT_MAPPING_BAD = [
+    Bad("slot_mapping_dtype", "slot_mapping", lambda a, draw: _with(a, slot_mapping=a[
+        "slot_mapping"].to(draw(st.sampled_from([torch.int64, torch.int16]))))),
+    Bad("slot_mapping_shape", "slot_mapping", lambda a, draw: _with(a, slot_mapping=(
+        _grow_or_shrink(a["slot_mapping"], 0, draw) if draw(st.booleans())
+        else a["slot_mapping"][None]))),
+    Bad("slot_beyond_cache", "slot_mapping", lambda a, draw: _with(a, slot_mapping=_set(
+        a["slot_mapping"], _slot_index(a, draw),
+        _data(draw, _num_slots(a["kv_cache"]), INT32_MAX)))),
+]
+
+
 # kv_cache_update
 KV_CACHE_UPDATE_BAD = [
     Bad("kv_cache_rank", "kv_cache", lambda a, draw: _with(a, kv_cache=_bad_rank(
@@ -774,15 +787,7 @@ KV_CACHE_UPDATE_BAD = [
         a["value"], draw(st.integers(0, 2)), draw))),
     Bad("kv_cache_heads", "kv_cache", lambda a, draw: _with(a, kv_cache=_grow_or_shrink(
         a["kv_cache"], draw(st.integers(2, 3)), draw))),
-    Bad("slot_mapping_dtype", "slot_mapping", lambda a, draw: _with(a, slot_mapping=a[
-        "slot_mapping"].to(draw(st.sampled_from([torch.int64, torch.int16]))))),
-    Bad("slot_mapping_shape", "slot_mapping", lambda a, draw: _with(a, slot_mapping=(
-        _grow_or_shrink(a["slot_mapping"], 0, draw) if draw(st.booleans())
-        else a["slot_mapping"][None]))),
-    Bad("slot_beyond_cache", "slot_mapping", lambda a, draw: _with(a, slot_mapping=_set(
-        a["slot_mapping"], _slot_index(a, draw),
-        _data(draw, _num_slots(a["kv_cache"]), INT32_MAX)))),
-]
+] + SLOT_MAPPING_BAD
 
 
 @pytest.mark.parametrize("bad", KV_CACHE_UPDATE_BAD, ids=repr)
@@ -812,15 +817,7 @@ ROTARY_BAD = [
         _other(DTYPES, a["cos"].dtype)(draw)))),
     Bad("sin_shape", "sin", lambda a, draw: _with(a, sin=_grow_or_shrink(
         a["sin"], draw(st.integers(0, 1)), draw))),
-    Bad("slot_mapping_dtype", "slot_mapping", lambda a, draw: _with(a, slot_mapping=a[
-        "slot_mapping"].to(draw(st.sampled_from([torch.int64, torch.int16]))))),
-    Bad("slot_mapping_shape", "slot_mapping", lambda a, draw: _with(a, slot_mapping=(
-        _grow_or_shrink(a["slot_mapping"], 0, draw) if draw(st.booleans())
-        else a["slot_mapping"][None]))),
-    Bad("slot_beyond_cache", "slot_mapping", lambda a, draw: _with(a, slot_mapping=_set(
-        a["slot_mapping"], _slot_index(a, draw),
-        _data(draw, _num_slots(a["kv_cache"]), INT32_MAX)))),
-]
+] + SLOT_MAPPING_BAD
 
 
 @pytest.mark.parametrize("bad", ROTARY_BAD, ids=repr)

@@ -108,6 +108,13 @@ def workspace_type(args, attributes):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def target_call(args, ffi_attrs):
+    """The target as a function of JAX arrays shaped as `args`, its attributes bound."""
+    out_type = (jax.ShapeDtypeStruct(args[0].shape, args[0].dtype),
+                workspace_type(args, ffi_attrs))
+    return functools.partial(jax.ffi.ffi_call(TARGET, out_type), **ffi_attrs)
+
+
 def run(inputs, attrs, out_dtype=None, jit=True, workspace=None, max_q_len=0):
     """The target on `inputs`; `workspace` replaces the workspace result's type."""
     args = [to_jax(t) for t in inputs]
@@ -222,11 +229,8 @@ def test_decode_only_calls_in_a_row():
     attrs = attributes(64)
     inputs = make_inputs([(1, 3000), (1, 50), (1, 2048)], 32, 8, 64, 16, torch.bfloat16,
                          max_num_seqs=8, num_tokens=8)
-    ffi_attrs = ffi_attributes(attrs, max_q_len=1)
     args = [to_jax(t) for t in inputs]
-    out_type = (jax.ShapeDtypeStruct(args[0].shape, args[0].dtype),
-                workspace_type(args, ffi_attrs))
-    call = functools.partial(jax.ffi.ffi_call(TARGET, out_type), **ffi_attrs)
+    call = target_call(args, ffi_attributes(attrs, max_q_len=1))
 
     @jax.jit
     def chain(q, *rest):
@@ -491,13 +495,9 @@ def test_chain_in_one_executable():
     # shows in their time: docs/performance.md, "Workspace instead of XLA's scratch allocator".)
     calls = 6
     attrs = attributes(128)
-    ffi_attrs = ffi_attributes(attrs)
     first = make_inputs(MIXED, 8, 2, 128, 16, torch.bfloat16, seed=1)
     second = make_inputs(MIXED, 8, 2, 128, 16, torch.bfloat16, seed=2)
-    args = [to_jax(t) for t in first]
-    out_type = (jax.ShapeDtypeStruct(args[0].shape, args[0].dtype),
-                workspace_type(args, ffi_attrs))
-    call = functools.partial(jax.ffi.ffi_call(TARGET, out_type), **ffi_attrs)
+    call = target_call([to_jax(t) for t in first], ffi_attributes(attrs))
 
     @jax.jit
     def chain(q, *rest):
