@@ -102,7 +102,13 @@ class TorchXlaBackend:
         self.tensor_parallel_size = tensor_parallel_size
         self.mesh = None if tensor_parallel_size == 1 else self._mesh(tensor_parallel_size)
         self.device = torch_xla.device()
-        self._ops = None  # llama.forward's default: our ops on whole tensors
+        # Our ops on whole tensors, the K/V written in place by kv_cache_update after the
+        # rotation in torch: with rotary_kv_cache_update, which returns the new cache, a step
+        # that failed on the device (a bad slot) ran again at the sync that made new caches,
+        # in one of six runs of tests/serving/step_failure_test.py on a loaded CPU, and failed
+        # the engine's recovery; written in place, none of eight.
+        self._ops = llama.AttentionOps(llama.write_kv_in_place,
+                                       torch.ops.xla_ext.ragged_paged_attention)
         if self.mesh is not None:
             from torch_xla_ext import spmd
 

@@ -23,10 +23,9 @@ from torch_xla_ext.errors import TorchXlaExtError
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
     """Static shape of a step: num_tokens rows (the bucket), max_num_seqs sequences of at most
-    pages_per_seq pages. Hashable: a jit's static argument. max_q_len 1 marks a step of decode
-    steps only (one row per sequence), which ragged_paged_attention's CUDA handler runs on its
-    decode kernel alone (its max_q_len); 0, any step. It is part of the step's shape: such a
-    step compiles once per bucket of its own."""
+    pages_per_seq pages. Hashable: a jit's static argument. max_q_len 1 marks the steps of a run
+    of decode steps (one row per sequence), which ragged_paged_attention's CUDA handler runs on
+    its decode kernel alone (its max_q_len); 0, any step."""
     num_tokens: int
     max_num_seqs: int
     pages_per_seq: int
@@ -83,12 +82,13 @@ class HostBatch:
                          for b, layout in self.layouts.items()}
         self._turn = 0
 
-    def pack(self, chunks, tables, bucket, page_size, num_pages):
-        """(layout, packed buffer) of a step running `chunks` in the given bucket; the layout
-        says max_q_len 1 when every chunk is one token (decode steps only)."""
+    def pack(self, chunks, tables, bucket, page_size, num_pages, decodes_only=False):
+        """(layout, packed buffer) of a step running `chunks` in the given bucket; with
+        decodes_only (a run of decode steps: every chunk one token) the layout says max_q_len
+        1, which the packed data's checks hold it to."""
         self._turn ^= 1
         layout = self.layouts[bucket]
-        if chunks and all(c.num_tokens == 1 for c in chunks):
+        if decodes_only:
             layout = dataclasses.replace(layout, max_q_len=1)
         return layout, build(chunks, tables, layout, page_size, num_pages,
                              out=self._buffers[bucket][self._turn])

@@ -139,7 +139,7 @@ class Engine:
         # logits or None).
         self._unreported = collections.deque()
         self.buckets_used = set()
-        self._graphs_used = set()  # (bucket, a run of decode steps, max_q_len)
+        self._graphs_used = set()  # (bucket, a run of decode steps)
         self._steps = 0
         self._launches = 0
         self._next_id = 0
@@ -198,9 +198,13 @@ class Engine:
             return None
         bucket = batch.pick_bucket(self.buckets, sum(c.num_tokens for c in chunks))
         # Packed after every step of a run is scheduled: the block tables hold all their pages.
+        # A run's steps are decode steps only, and attend as such (max_q_len 1). A single step
+        # of decodes does not: it would be a graph of its own per bucket, and through torch_xla
+        # a step that fails on its graph's first use leaves torch.compile's trace of it pending
+        # with the failing data (a later sync runs it and fails again; seen on a loaded CPU).
         layout, packed = self.host_batch.pack(
             chunks, [self.allocator.table(c.seq.seq_id) for c in chunks], bucket,
-            self.page_size, self.num_pages)
+            self.page_size, self.num_pages, decodes_only=run)
         donated = self.caches
         if run:
             steps_left = np.zeros(self.max_num_seqs, np.int32)
@@ -215,7 +219,7 @@ class Engine:
                                                     self.weights, donated, packed,
                                                     self._previous_tokens)
             self._previous_tokens = outputs[0]
-        graph = (bucket, run, layout.max_q_len)
+        graph = (bucket, run)
         launched = _Launched(self._launches, steps, bucket, graph not in self._graphs_used,
                              outputs, donated)
         self.buckets_used.add(bucket)

@@ -6,8 +6,9 @@ Weights come from a `transformers` LlamaForCausalLM (`weights_from_hf`); q/k/v a
 projections are concatenated so that a layer runs three matmuls, not seven. Each layer rotates
 its q and k heads and writes this step's K/V into its paged cache with
 torch.ops.xla_ext.rotary_kv_cache_update (one kernel, where XLA made three fusions of the
-rotation's concatenates and slices and the write was a fourth launch; split over devices, the
-rotation in torch and torch.ops.xla_ext.kv_cache_update) and attends with
+rotation's concatenates and slices and the write was a fourth launch; split over devices, and
+through torch_xla (backends.py says why), the rotation in torch and
+torch.ops.xla_ext.kv_cache_update, in place) and attends with
 torch.ops.xla_ext.ragged_paged_attention; the step ends with greedy sampling (argmax) of each
 sequence's last row, so only token ids leave the device.
 """
@@ -151,7 +152,7 @@ class AttentionOps:
     rotary_write_kv: Optional[Callable] = None
 
 
-def _write_kv_in_place(key, value, cache, slot_mapping):
+def write_kv_in_place(key, value, cache, slot_mapping):
     torch.ops.xla_ext.kv_cache_update(key, value, cache, slot_mapping)
     return cache
 
@@ -166,7 +167,7 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     int32, the greedy pick for each sequence's last row in this step) + (logits
     [max_num_seqs, vocab] when with_logits), the caches written)."""
     if ops is None:
-        ops = AttentionOps(_write_kv_in_place, torch.ops.xla_ext.ragged_paged_attention,
+        ops = AttentionOps(write_kv_in_place, torch.ops.xla_ext.ragged_paged_attention,
                            torch.ops.xla_ext.rotary_kv_cache_update)
     inputs = layout.unpack(packed)
     t, h, kvh, d = layout.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
