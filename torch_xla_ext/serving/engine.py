@@ -199,9 +199,8 @@ class Engine:
         bucket = batch.pick_bucket(self.buckets, sum(c.num_tokens for c in chunks))
         # Packed after every step of a run is scheduled: the block tables hold all their pages.
         # A run's steps are decode steps only, and attend as such (max_q_len 1). A single step
-        # of decodes does not: it would be a graph of its own per bucket, and through torch_xla
-        # a step that fails on its graph's first use leaves torch.compile's trace of it pending
-        # with the failing data (a later sync runs it and fails again; seen on a loaded CPU).
+        # of decodes does not: that would be one more graph per bucket to compile, and its
+        # gain on the GPU was not measured.
         layout, packed = self.host_batch.pack(
             chunks, [self.allocator.table(c.seq.seq_id) for c in chunks], bucket,
             self.page_size, self.num_pages, decodes_only=run)
