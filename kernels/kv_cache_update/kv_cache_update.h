@@ -83,11 +83,10 @@ struct RotarySlotNames {
 };
 using RotarySlotMappingChecks = SlotChecks<int32_t, RotarySlotNames>;
 
-// The rotary op's dtypes: qkv's and its tables' and cache's (the rotation is arithmetic).
-inline constexpr int64_t kRotaryDTypes[] = {XLA_FFI_DataType_F32, XLA_FFI_DataType_F16,
-                                            XLA_FFI_DataType_BF16};
+// The rotary op's dtypes, qkv's and its tables' and cache's: the float ones (the rotation is
+// arithmetic).
 inline constexpr XlaExtSupportedValues kRotarySupported[] = {
-    contract::Supported("dtype", "qkv", kRotaryDTypes),
+    contract::Supported("dtype", "qkv", kFloatDTypes),
 };
 
 struct SlotShapes {
@@ -142,11 +141,8 @@ inline ffi::Error CheckRotary(const ffi::AnyBuffer& qkv, const ffi::AnyBuffer& c
                               const ffi::AnyBuffer& kv_cache_out, RotaryShapes& shapes) {
   constexpr const char* op = kRotaryTarget;
   XLA_EXT_RETURN_IF_ERROR(CheckRank(op, "qkv", qkv, 3));
+  XLA_EXT_RETURN_IF_ERROR(CheckFloatType(op, "qkv", qkv));
   const ffi::DataType dtype = qkv.element_type();
-  if (!contract::Contains(kRotaryDTypes, static_cast<int64_t>(dtype))) {
-    return ArgumentError(op, "qkv", "dtype f32, f16 or bf16", std::string("dtype ") +
-                                                                  DTypeName(dtype));
-  }
   XLA_EXT_RETURN_IF_ERROR(CheckRank(op, "kv_cache", kv_cache, 4));
   XLA_EXT_RETURN_IF_ERROR(CheckDType(op, "kv_cache", kv_cache, dtype));
   const auto x = qkv.dimensions();

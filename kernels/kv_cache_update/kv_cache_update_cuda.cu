@@ -3,12 +3,8 @@
 // with 16-byte words where every address allows, else narrower ones. The launch reads nothing
 // on the host but the static shapes, so a call costs the same whatever the data, and fits
 // XLA's command buffers.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 #include <iterator>
-#include <type_traits>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/common/debug_checks.cuh"
@@ -269,17 +265,9 @@ ffi::Error RotaryKvCacheUpdateCuda(cudaStream_t stream, ffi::AnyBuffer qkv, ffi:
   }
   XLA_EXT_RETURN_IF_ERROR(cuda::CopyUnlessAliased(kRotaryTarget, kv_cache, *kv_cache_out, stream));
   if (s.num_tokens == 0) return ffi::Error::Success();
-  switch (qkv.element_type()) {
-    case ffi::DataType::F32:
-      LaunchRotary<float>(s, qkv, cos, sin, *q_out, *kv_cache_out, slot_mapping, stream);
-      break;
-    case ffi::DataType::F16:
-      LaunchRotary<__half>(s, qkv, cos, sin, *q_out, *kv_cache_out, slot_mapping, stream);
-      break;
-    default:  // bf16 (CheckRotary allows no other)
-      LaunchRotary<__nv_bfloat16>(s, qkv, cos, sin, *q_out, *kv_cache_out, slot_mapping, stream);
-      break;
-  }
+  XLA_EXT_RETURN_IF_ERROR(cuda::DispatchFloat(kRotaryTarget, qkv.element_type(), [&](auto zero) {
+    LaunchRotary<decltype(zero)>(s, qkv, cos, sin, *q_out, *kv_cache_out, slot_mapping, stream);
+  }));
   return cuda::LastLaunchError(kRotaryTarget);
 }
 
