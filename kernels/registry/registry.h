@@ -148,6 +148,17 @@ struct __attribute__((visibility("hidden"))) DeferredFailures {
     held.store(true, std::memory_order_release);
   }
 
+  // Counts a call that skips its handler because a failure is held, and says whether one is.
+  // The check and the count are one step under the lock: a take between them would otherwise
+  // leave the skipped call to record a new failure without a message.
+  bool CountSkipIfHeld() {
+    if (!held.load(std::memory_order_acquire)) return false;
+    std::lock_guard<std::mutex> lock(mu);
+    if (calls == 0) return false;
+    ++calls;
+    return true;
+  }
+
   uint64_t Take(char* message, size_t size) {
     std::lock_guard<std::mutex> lock(mu);
     const uint64_t taken = calls;
@@ -334,18 +345,20 @@ XLA_FFI_Error* DeferringHandler(XLA_FFI_CallFrame* frame) {
   }
   DeferredFailures& failures = DeferredFailures::Get();
   std::string message;
-  if (!failures.held.load(std::memory_order_acquire)) {
+  const bool skipped = failures.CountSkipIfHeld();
+  if (!skipped) {
     XLA_FFI_Error* error = kHandler(&own);
     if (error == nullptr) return nullptr;
     message = TakeErrorMessage(frame->api, error);
   }
   if (!LeaveResults<kOnCuda>(*frame, in_place, stream)) {
+    if (skipped) message = "a call skipped after an earlier failure";
     message += " (and leaving the call's results as a failed call does failed too)";
     XLA_FFI_Error_Create_Args create{XLA_FFI_Error_Create_Args_STRUCT_SIZE, nullptr,
                                      message.c_str(), XLA_FFI_Error_Code_INTERNAL};
     return frame->api->XLA_FFI_Error_Create(&create);
   }
-  failures.Record(std::move(message));
+  if (!skipped) failures.Record(std::move(message));
   return nullptr;
 }
 

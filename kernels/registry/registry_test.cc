@@ -6,9 +6,11 @@
 // waits for xla_ext_take_deferred_failure, and calls meanwhile skip their handlers.
 #include "xla_ext/registry.h"
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 
 // The runtime's error, for the fake XLA_FFI_Api below.
 struct XLA_FFI_Error {
@@ -53,8 +55,8 @@ XLA_EXT_REGISTER_CHECK("test.checked", CheckRankOne);
 // A handler that checks its frame: operands `flag` (s32[1]) and `source` (f32[4]); results
 // `into` (f32[4], written in place into `source` by the caller's aliasing: source + 1) and
 // `other` (s32[2]: 7). A negative flag fails the call. It sees exactly one attribute.
-int handler_calls = 0;
-int64_t handler_saw_attrs = -1;
+std::atomic<int> handler_calls{0};
+std::atomic<int64_t> handler_saw_attrs{-1};
 
 XLA_FFI_Error* FailOnNegative(XLA_FFI_CallFrame* frame) {
   ++handler_calls;
@@ -233,6 +235,32 @@ int main() {
   after.aliased = true;
   Expect(after.Run(&api) == nullptr && after.source[0] == 2 && after.other[0] == 7,
          "after the take, calls run again");
+
+  // A take while another thread's calls skip: each take reports the failure recorded before it,
+  // never a failure without a message that a skip raced into being after the take.
+  std::atomic<bool> stop{false};
+  std::thread other_calls([&] {
+    while (!stop.load()) {
+      Call call;
+      call.aliased = true;
+      call.Run(&api);
+    }
+  });
+  int empty_messages = 0;
+  for (int i = 0; i < 100000; ++i) {
+    Call fails;
+    fails.flag = -1;
+    fails.Run(&api);
+    message[0] = '\0';
+    if (xla_ext_take_deferred_failure(message, sizeof(message)) > 0 &&
+        std::strcmp(message, "flag: expected >= 0, got -1") != 0) {
+      ++empty_messages;
+    }
+  }
+  stop.store(true);
+  other_calls.join();
+  Expect(empty_messages == 0, "concurrent takes and skips: every take has the failure's message");
+  xla_ext_take_deferred_failure(message, sizeof(message));
 
   std::printf("%s\n", failures == 0 ? "registry_test: all checks passed" : "registry_test: FAILED");
   return failures == 0 ? 0 : 1;
