@@ -66,7 +66,7 @@ def _ffi(op, attributes):
     """The op's custom call on whatever arrays it is given (global or one device's pieces)."""
 
     def call(*operands):
-        named = dict(zip(op.operands, operands))
+        named = {**dict(attributes), **dict(zip(op.operands, operands))}
         results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
                    op.handler_results(named, dict(attributes), workspace_gpu())]
         ffi = jax.ffi.ffi_call(op.target, results[0] if len(results) == 1 else tuple(results),
@@ -80,16 +80,17 @@ def _ffi(op, attributes):
     return call
 
 
-def _layout_dims(op, operands, absent):
+def _layout_dims(op, operands, absent, attributes):
     shapes = {name: x.shape for name, x in zip(op.operands, operands)}
-    for index, (shape, _) in enumerate(op.results(dict(zip(op.operands, operands)))):
+    named = {**dict(attributes), **dict(zip(op.operands, operands))}
+    for index, (shape, _) in enumerate(op.results(named)):
         shapes[partitioning.result_name(index)] = shape
     return op.layout.dims(shapes, absent), shapes
 
 
-def _sharding_rule(op, operands, absent):
+def _sharding_rule(op, operands, absent, attributes):
     """The layout as a Shardy rule (how jit's propagation carries shardings through the call)."""
-    dims, shapes = _layout_dims(op, operands, absent)
+    dims, shapes = _layout_dims(op, operands, absent, attributes)
     whole = {d[0] for ds in dims.values() for d in ds if len(d) == 1}
     sizes = op.layout.factor_sizes(dims, shapes)
 
@@ -103,13 +104,13 @@ def _sharding_rule(op, operands, absent):
            if name not in whole and any(name in d for ds in dims.values() for d in ds)})
 
 
-def _shardings(op, arg_shapes, absent, mesh):
+def _shardings(op, arg_shapes, absent, attributes, mesh):
     """(mesh, operand shardings, result shardings) the op runs with, given the shardings its
     operands arrive with. Dimensions it cannot split are gathered, with a ShardingWarning.
 
     Runs inside XLA's partitioner, where a Python exception aborts the process: every case
     returns shardings."""
-    dims, shapes = _layout_dims(op, arg_shapes, absent)
+    dims, shapes = _layout_dims(op, arg_shapes, absent, attributes)
     shardings = [arg.sharding for arg in arg_shapes]
     if mesh.empty:  # no mesh in context and no NamedSharding to take one from
         devices = set().union(*(s.device_set for s in shardings if s is not None))
@@ -138,11 +139,12 @@ def _partitioned(op, attributes, absent):
     single = len(op.layout.results) == 1
 
     def partition(mesh, arg_shapes, result_shape):
-        mesh, operand_shardings, result_shardings = _shardings(op, arg_shapes, absent, mesh)
+        mesh, operand_shardings, result_shardings = _shardings(op, arg_shapes, absent,
+                                                               attributes, mesh)
         return mesh, ffi, result_shardings[0] if single else result_shardings, operand_shardings
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
-        _, _, result_shardings = _shardings(op, arg_shapes, absent, mesh)
+        _, _, result_shardings = _shardings(op, arg_shapes, absent, attributes, mesh)
         return result_shardings[0] if single else result_shardings
 
     @jax.custom_batching.custom_vmap
@@ -150,7 +152,7 @@ def _partitioned(op, attributes, absent):
         # Made here, where the operands' shapes are known: the Shardy rule needs the sizes.
         call = custom_partitioning(ffi)
         call.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                           sharding_rule=_sharding_rule(op, operands, absent))
+                           sharding_rule=_sharding_rule(op, operands, absent, attributes))
         return call(*operands)
 
     @batchable.def_vmap
@@ -212,7 +214,8 @@ def sharded(name, mesh, heads=None, batch=None):
         arrays = [jnp.asarray(a[n]) for n in present]
         absent = tuple(n for n in op.operands if a[n] is None)
         dims, shapes = _layout_dims(op, op.operand_values({**a, **dict(zip(present, arrays))},
-                                                          _empty), absent)
+                                                          _empty), absent,
+                                    op.attribute_values(a).items())
         specs = op.layout.request(dims, shapes, request, dict(mesh.shape), op.target)
 
         def local(*pieces):

@@ -26,7 +26,8 @@ class OpDef:
     schema: str  # "(Tensor a, ...) -> ..." in torch.library's syntax
     doc: str
     operands: tuple  # argument names, in the order the handler binds its operands
-    # args -> [(shape, dtype)] of the handler's results, in the arguments' own framework.
+    # args -> [(shape, dtype)] of the handler's results, in the arguments' own framework
+    # (args: the operands and the attributes by name).
     results: Callable
     check: Callable  # check(**args): shapes and dtypes; raises TorchXlaExtError
     attributes: dict = dataclasses.field(default_factory=dict)  # argument -> attribute dtype
