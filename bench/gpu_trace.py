@@ -10,13 +10,15 @@ import re
 COLLECTIVE_KERNEL = re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all|"
                                r"collective", re.IGNORECASE)
 # What a kernel does, by its name, in that order: collectives, our attention ops (the K/V write
-# included), XLA's and cuBLAS's matrix products, copies and memsets; anything else (XLA's
-# elementwise and reduction fusions: norms, RoPE, residual adds, activations) is "other".
+# included), the matrix products (XLA's, cuBLAS's, our small_batch_linear), copies and
+# memsets; anything else (XLA's elementwise and reduction fusions: norms, RoPE, residual adds,
+# activations) is "other".
 KERNEL_KINDS = (
     ("collectives", COLLECTIVE_KERNEL),
     ("attention", re.compile(r"xla_ext::(attention|kv_cache_update|reshape_and_cache|"
                              r"paged_attention|ragged_paged_attention)")),
-    ("GEMMs", re.compile(r"gemm|nvjet|cublas|cutlass|xmma|matmul|dot", re.IGNORECASE)),
+    ("GEMMs", re.compile(r"gemm|nvjet|cublas|cutlass|xmma|matmul|dot|small_batch_linear",
+                         re.IGNORECASE)),
     ("copies", re.compile(r"memcpy|memset", re.IGNORECASE)),
 )
 

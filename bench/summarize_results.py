@@ -49,6 +49,10 @@ KINDS = {
     "ragged": "`tools/device/run.sh ragged`: bench/ragged_bench.py --flashinfer",
     "kernel-times": "`tools/device/run.sh bench`: bench/kernel_times.py, ours and cuDNN SDPA",
     "kv-cache": "bench/kv_cache_bench.py (`tools/device/run.sh kv_cache` on the GPU)",
+    "linear": "`tools/device/run.sh linear`: bench/linear_bench.py, small_batch_linear against "
+              "cuBLAS",
+    "linear-tests": "`tools/device/run.sh linear`: small_batch_linear's GPU tests and "
+                    "sanitizers, its benchmark's lines, and the serving step with it and without",
     "eager-overhead": "bench/eager_overhead.py --device cpu|cuda",
     r"tp(?P<tp>[0-9]+)": "`tools/device/run.sh tp1` / `tp2`: bench/tp_bench.py",
     r"engine-soak-(?P<backend>[a-z-]+)": "bench/engine_soak.py --steps 10000 (on the GPU machine: "
@@ -416,6 +420,17 @@ def kv_cache(f):
     return lines + table(["µs per step"] + [f"{s // 2**20} MiB cache" for s in sizes], rows)
 
 
+def linear(f):
+    d = f.data
+    rows = [[r["model"], r["proj"], r["form"], r["tokens"], fmt(r["weight_mb"]),
+             fmt(r["ours_us"], 2), fmt(r["cublas_us"], 2), fmt(r["ours_gbps"], 0),
+             fmt(r["cublas_gbps"], 0), fmt(r["speedup"], 2)] for r in d["rows"]]
+    lines = [source_line(f, f"{d.get('dtype')}, copy {fmt(d.get('copy_gbps'), 0)} GB/s"), ""]
+    return lines + table(["model", "projection", "epilogue", "tokens", "weight MB", "ours µs",
+                          "cuBLAS (+ torch epilogue) µs", "ours GB/s", "cuBLAS GB/s",
+                          "cuBLAS / ours"], rows)
+
+
 def eager_overhead(files):
     ops = list(dict.fromkeys(op for f in files for op in f.data["host_us_per_call"]))
     lines = [f"{', '.join(f'`{f.name}`' for f in files)}: {files[0].description()}; "
@@ -670,6 +685,8 @@ SECTIONS = [
     ("A custom call's cost inside a compiled graph", [("dispatch-command-buffers", "txt")],
      dispatch_lines, "each"),
     ("KV-cache write step against cache size", [("kv-cache", "json")], kv_cache, "each"),
+    ("Linear layers of a decode step: small_batch_linear against cuBLAS", [("linear", "json")],
+     linear, "each"),
     ("Host time of an eager torch-op call", [("eager-overhead", "json")], eager_overhead, "all"),
     ("One decoder layer split over GPUs", [(r"tp(?P<tp>[0-9]+)", "json")], tp_layer, "each"),
     ("Engine soak", [(r"engine-soak-(?P<backend>[a-z-]+)", "json")], engine_soak, "all"),
@@ -680,7 +697,8 @@ SECTIONS = [
 LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),
         (r"sanitize(?:-(?P<tools>[a-z-]+))?", "txt"), ("plugin", "txt"),
         ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("torch-xla-legacy", "txt"),
-        ("torch-xla-failures", "txt"), ("serving-summary", "txt"), ("serving-ab", "txt")]
+        ("torch-xla-failures", "txt"), ("serving-summary", "txt"), ("serving-ab", "txt"),
+        ("linear-tests", "txt")]
 PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"),
             (r"ncu-ragged-sass-(?P<table>[0-9]+)", "csv"), ("dispatch-record-probe", "txt"),
             ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt"),

@@ -95,6 +95,20 @@ def rotary_kv_cache_update_ref(qkv, cos, sin, kv_cache, slot_mapping):
     return q, kv_cache_update_ref(k, v, kv_cache, slot_mapping)
 
 
+def small_batch_linear_ref(x, weight, residual=None, silu_gate=0):
+    """small_batch_linear as torch's eager ops compute it in x's dtype: x @ weight.T (+
+    residual), or silu(x @ gate.T) * (x @ up.T) with weight = [gate; up]; the products from a
+    float64 matmul, rounded once."""
+    def product(w):
+        return (x.double() @ w.double().T).to(x.dtype)
+
+    if silu_gate:
+        gate, up = weight.chunk(2)
+        return torch.nn.functional.silu(product(gate)) * product(up)
+    out = product(weight)
+    return out if residual is None else out + residual
+
+
 def kv_cache_update_slices_ref(kv, slices, kv_cache, num_slices):
     """vLLM's slice form: for i < num_slices[0], kv rows [new_start, +length) go to cache rows
     [cache_start, +length), slices = [cache_start, new_start, length] x max_slices."""

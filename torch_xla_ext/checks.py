@@ -213,6 +213,30 @@ def rotary_kv_cache_update(qkv, cos, sin, kv_cache, slot_mapping):
         _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")
 
 
+def small_batch_linear(x, weight, residual, silu_gate):
+    op = "xla_ext.small_batch_linear"
+    _check_rank(op, "x", x, 2, "[num_tokens, in_features]")
+    _check_dtype(op, "x", x, supported(op, "dtype", "x"))
+    _check_rank(op, "weight", weight, 2, "[weight_rows, in_features]")
+    _check_same_dtype(op, "weight", weight, "x", x)
+    (num_tokens, in_features), (rows, weight_in) = _shape(x), _shape(weight)
+    if weight_in != in_features:
+        _fail(op, "weight", f"shape [weight_rows, {in_features}] (in_features of 'x')",
+              f"shape {_shape(weight)}")
+    if silu_gate not in (0, 1):
+        _fail(op, "silu_gate", "0 or 1", silu_gate)
+    if silu_gate and rows % 2:
+        _fail(op, "weight", "an even number of rows with silu_gate (gate rows, then up rows)",
+              f"shape {_shape(weight)}")
+    if residual is not None:
+        if silu_gate:
+            _fail(op, "residual", "none with silu_gate", f"shape {_shape(residual)}")
+        _check_same_dtype(op, "residual", residual, "x", x)
+        if _shape(residual) != [num_tokens, rows]:
+            _fail(op, "residual", f"shape [{num_tokens}, {rows}] (num_tokens, out_features)",
+                  f"shape {_shape(residual)}")
+
+
 def kv_cache_update_slices(kv, slot_mapping, kv_cache, num_kv_update_slices, page_size,
                            num_slices_per_block):
     """vLLM's names: `slot_mapping` holds the slices, int32 [3, max_slices]."""

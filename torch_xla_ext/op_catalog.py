@@ -151,6 +151,38 @@ ROTARY_KV_CACHE_UPDATE = OpDef(
         a["kv_cache"].shape[0] * a["kv_cache"].shape[1], "num_pages * page_size"),
 )
 
+def _linear_results(a):
+    """[num_tokens, out_features]: weight's rows, or half of them with silu_gate. (Shapes stay
+    valid for the calls the handler itself refuses.)"""
+    rows = a["weight"].shape[0] if len(a["weight"].shape) else 0
+    out_features = rows // 2 if a["silu_gate"] else rows
+    return [((a["x"].shape[0] if len(a["x"].shape) else 0, out_features), a["x"].dtype)]
+
+
+SMALL_BATCH_LINEAR = OpDef(
+    name="small_batch_linear",
+    target="xla_ext.small_batch_linear",
+    schema="(Tensor x, Tensor weight, Tensor? residual=None, int silu_gate=0) -> Tensor",
+    doc="""A linear layer over a few rows, the tokens of a decode batch, where its time is the
+    weight's bytes: x [num_tokens, in_features] (float16 or bfloat16), weight [weight_rows,
+    in_features] (torch's Linear layout), x's dtype. silu_gate=0: returns x @ weight.T, plus
+    residual [num_tokens, weight_rows] where given. silu_gate=1: weight is a SwiGLU's gate rows
+    then its up rows; returns silu(x @ gate.T) * (x @ up.T) [num_tokens, weight_rows / 2] (no
+    residual). Accumulates in float32 and rounds where torch's eager ops round: each product,
+    the sum with the residual, silu's result and the final product. The CUDA kernel streams
+    the weight once on tensor cores; it is for small num_tokens (any is correct).""",
+    operands=("x", "weight", "residual"),
+    absent={"residual": ((0,), "float32")},
+    attributes={"silu_gate": "int32"},
+    results=_linear_results,
+    check=checks.small_batch_linear,
+    # Tokens split; the weight's rows do not (a gate row and its up row must stay together).
+    layout=Layout(
+        operands={"x": "tokens in_features", "weight": "weight_rows in_features",
+                  "residual": "tokens outputs"},
+        results=("tokens outputs",), batch="tokens"),
+)
+
 KV_CACHE_UPDATE_SLICES = OpDef(
     name="kv_cache_update_slices",
     target="xla_ext.kv_cache_update_slices",
@@ -223,4 +255,4 @@ RAGGED_PAGED_ATTENTION = OpDef(
 )
 
 OPS = (SIMPLE_ADD, PAGED_ATTENTION, RESHAPE_AND_CACHE, KV_CACHE_UPDATE, KV_CACHE_UPDATE_SLICES,
-       ROTARY_KV_CACHE_UPDATE, RAGGED_PAGED_ATTENTION)
+       ROTARY_KV_CACHE_UPDATE, RAGGED_PAGED_ATTENTION, SMALL_BATCH_LINEAR)

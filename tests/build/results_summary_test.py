@@ -56,6 +56,9 @@ def test_tensor_parallel_rows_are_set_against_tp1_of_the_same_model_and_step(tmp
      "attention"),
     ("void xla_ext::kv_cache_update::(anonymous namespace)::WriteSlotsKernel<uint4>", "attention"),
     ("gemm_fusion_dot_general_262", "GEMMs"),
+    ("void xla_ext::small_batch_linear::(anonymous namespace)::SmallBatchLinearKernel<"
+     "__nv_bfloat16, 1, 2, true, true>(xla_ext::small_batch_linear::(anonymous namespace)::"
+     "Params)", "GEMMs"),
     ("nvjet_sm90_tss_224x64_64x5_2x1_v_bz_TNN", "GEMMs"),
     ("Memcpy HtoD (Pinned -> Device)", "copies"),
     ("loop_add_fusion_16", "other"),

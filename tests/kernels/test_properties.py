@@ -420,6 +420,38 @@ def test_rotary_kv_cache_update_matches_reference(dtype, data, num_q_heads):
     assert_same_bits(args["kv_cache"], kv_cache)  # the functional op leaves its input alone
 
 
+@st.composite
+def linear_inputs(draw):
+    """small_batch_linear's arguments: token counts around the CUDA kernel's 8-token tiles,
+    in_features around its 8-element loads and 32-wide chunks, any form (plain, residual,
+    silu_gate)."""
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    num_tokens = draw(st.one_of(st.sampled_from([0, 1, 8, 9, 64, 65]), st.integers(0, 70)))
+    in_features = draw(st.one_of(st.sampled_from([0, 1, 8, 31, 32, 33]), st.integers(0, 100)))
+    out_features = draw(st.integers(1, 40))
+    form = draw(st.sampled_from(["plain", "residual", "silu_gate"]))
+    gen = torch.Generator().manual_seed(draw(seeds))
+    rows = 2 * out_features if form == "silu_gate" else out_features
+    return dict(x=randn((num_tokens, in_features), dtype, gen),
+                weight=randn((rows, in_features), dtype, gen),
+                residual=(randn((num_tokens, rows), dtype, gen) if form == "residual" else None),
+                silu_gate=int(form == "silu_gate"))
+
+
+@properties(max_examples=12)
+@given(args=linear_inputs())
+def test_small_batch_linear_matches_reference(args):
+    op = OPS["small_batch_linear"]
+    want = reference.small_batch_linear_ref(**args)
+    # Two roundings of the dtype relative to the largest output: float32 sums in another order.
+    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[want.dtype]
+    tol = ulp * max(float(want.double().abs().max()) if want.numel() else 0.0, 1.0)
+    for got in [run_jax(op, args, mode)[0] for mode in ("jax", "jit", "handler")] + \
+            run_torch(op, args):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=0)
+
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -827,6 +859,40 @@ ROTARY_BAD = [
 def test_rotary_kv_cache_update_rejects(bad, w, num_q_heads, data):
     args = rotary_write_inputs(w, num_q_heads)
     check_rejected(OPS["rotary_kv_cache_update"], bad.change(args, data.draw), bad)
+
+
+# small_batch_linear
+LINEAR_BAD = [
+    Bad("x_rank", "x", lambda a, draw: _with(a, x=_bad_rank(a["x"], draw))),
+    # JAX without x64 would give the handler float32: only the Python side sees float64.
+    Bad("x_dtype", "x", lambda a, draw: _with(a, **{n: a[n].to(draw(st.sampled_from(
+        [torch.float32, torch.int32]))) for n in ("x", "weight", "residual")})),
+    Bad("weight_dtype", "weight", lambda a, draw: _with(a, weight=a["weight"].to(_other(
+        [torch.float16, torch.bfloat16, torch.float32], a["weight"].dtype)(draw)))),
+    Bad("in_features", "weight", lambda a, draw: _with(a, weight=_grow_or_shrink(
+        a["weight"], 1, draw))),
+    Bad("residual_shape", "residual", lambda a, draw: _with(a, residual=_grow_or_shrink(
+        a["residual"], draw(st.integers(0, 1)), draw))),
+    Bad("residual_dtype", "residual", lambda a, draw: _with(a, residual=a["residual"].to(_other(
+        [torch.float16, torch.bfloat16, torch.float32], a["residual"].dtype)(draw)))),
+    Bad("silu_gate_value", "silu_gate", lambda a, draw: _with(
+        a, silu_gate=draw(st.sampled_from([-1, 2, 7])))),
+    Bad("silu_gate_with_residual", "residual", lambda a, draw: _with(a, silu_gate=1)),
+]
+
+
+@pytest.mark.parametrize("bad", LINEAR_BAD, ids=repr)
+@properties(max_examples=4)
+@given(num_tokens=st.integers(1, 9), in_features=st.integers(1, 40),
+       out_features=st.integers(1, 20), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       seed=seeds, data=st.data())
+def test_small_batch_linear_rejects(bad, num_tokens, in_features, out_features, dtype, seed,
+                                    data):
+    gen = torch.Generator().manual_seed(seed)
+    args = dict(x=randn((num_tokens, in_features), dtype, gen),
+                weight=randn((2 * out_features, in_features), dtype, gen),
+                residual=randn((num_tokens, 2 * out_features), dtype, gen), silu_gate=0)
+    check_rejected(OPS["small_batch_linear"], bad.change(args, data.draw), bad)
 
 
 # kv_cache_update_slices

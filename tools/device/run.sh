@@ -76,6 +76,18 @@
 #                        B = 1, 16, 64 and the mixed step; SERVING_ARGS adds arguments) with its
 #                        kernels in order -> <gpu>-serving.json ({"runs": {base, tree}}),
 #                        <gpu>-serving-timeline.txt (both), the logs in <gpu>-serving.txt
+#   linear:   xla_ext.small_batch_linear: the build (sm_90a), then the parts LINEAR_PART names
+#             ("kernels serving" fits one call with SERVING_ARGS="--batches 1,16 --no-mixed"):
+#               kernels: its GPU tests through JAX and torch, the same
+#                        under compute-sanitizer memcheck and racecheck, and
+#                        bench/linear_bench.py (against cuBLAS) -> <gpu>-linear-tests.txt,
+#                        <gpu>-linear.json
+#               serving: bench/serving_bench.py (ours, runs of 8 decode steps at B = 1, 16, 64
+#                        and the mixed step; SERVING_ARGS adds arguments) with the linear layers
+#                        on XLA's dots (XLA_EXT_SERVING_SMALL_BATCH_TOKENS=0, the engine's
+#                        default) and then on small_batch_linear up to LINEAR_SERVING_TOKENS
+#                        (default 16) tokens: the step times and the first layer's kernels of
+#                        each, appended to <gpu>-linear-tests.txt
 #   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
 #             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
@@ -98,6 +110,7 @@ TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == serving || $PHASE == serving_flags ]] && TESTS="$OUT/$GPU-serving-summary.txt"
 [[ $PHASE == tp ]] && TESTS="$OUT/$GPU-serving-tp-summary.txt"
 [[ $PHASE == serving_ab ]] && TESTS="$OUT/$GPU-serving-ab.txt"
+[[ $PHASE == linear ]] && TESTS="$OUT/$GPU-linear-tests.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
   SANITIZERS=("$@")
@@ -152,7 +165,8 @@ status=0
 step() { echo "== $*" | tee -a "$TESTS"; }
 [[ $PHASE == bench || $PHASE == kv_cache || $PHASE == tp1 || $PHASE == tp2 || $PHASE == serving_flags \
    || $PHASE == ncu_mixes || $PHASE == ncu_ragged || $PHASE == clocks_ragged \
-   || ( $PHASE == serving_ab && ${AB_PART:-} != kernels ) ]] \
+   || ( $PHASE == serving_ab && ${AB_PART:-} != kernels ) \
+   || ( $PHASE == linear && ${LINEAR_PART:-} != kernels* ) ]] \
   || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
@@ -231,6 +245,45 @@ PY
     *) step "serving_ab: AB_PART must be build, kernels, serving, ncu or sanitize, got '${AB_PART:-}'"
        exit 2 ;;
   esac
+  step "done, status $status"
+  exit $status
+fi
+if [[ $PHASE == linear ]]; then
+  [[ -n ${LINEAR_PART:-} ]] || { step "linear: LINEAR_PART must name kernels, serving or both"; exit 2; }
+  step "build: tools/device/build_kernels.sh (sm_90a)"
+  CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a tools/device/build_kernels.sh \
+    > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
+  for part in $LINEAR_PART; do
+  case "$part" in
+    kernels)
+      step "GPU tests: tests/kernels/test_small_batch_linear.py (JAX, and torch on CUDA tensors)"
+      XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" -rs tests/kernels/test_small_batch_linear.py \
+        2>&1 | tail -3 | tee -a "$TESTS" || status=1
+      for tool in memcheck racecheck; do
+        sanitize_run "$tool" 0 "tests/kernels/test_small_batch_linear.py" \
+          tests/kernels/test_small_batch_linear.py
+      done
+      step "benchmark: bench/linear_bench.py against cuBLAS"
+      timeout 300 python3 bench/linear_bench.py --out "$OUT/$GPU-linear.json" ${LINEAR_ARGS:-} \
+        2>&1 | grep -v -i warn | tee -a "$TESTS" || status=1
+      ;;
+    serving)
+      for name in xla_dots small_batch_linear; do
+        tokens=$([[ $name == xla_dots ]] && echo 0 || echo "${LINEAR_SERVING_TOKENS:-16}")
+        step "$name: XLA_EXT_SERVING_SMALL_BATCH_TOKENS=$tokens bench/serving_bench.py --impls ours --modes runs ${SERVING_ARGS:-}"
+        XLA_EXT_SERVING_SMALL_BATCH_TOKENS=$tokens timeout 280 python3 bench/serving_bench.py \
+          --impls ours --modes runs --steps 24 --out "/tmp/serving-$name.json" \
+          --timeline "/tmp/serving-timeline-$name.txt" ${SERVING_ARGS:-} 2>&1 | \
+          grep -v -i warn | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
+        # The first decoder layer of its first profile's step, kernel by kernel.
+        step "$name: the first layer of a step, $(head -1 "/tmp/serving-timeline-$name.txt" | sed 's/^== //')"
+        sed -n '2,16p' "/tmp/serving-timeline-$name.txt" | cut -c1-150 | tee -a "$TESTS"
+      done
+      ;;
+    *) step "linear: LINEAR_PART must name kernels, serving or both, got '$LINEAR_PART'"
+       exit 2 ;;
+  esac
+  done
   step "done, status $status"
   exit $status
 fi
