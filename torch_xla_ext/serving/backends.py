@@ -23,6 +23,7 @@ device as the next step's `previous_tokens`.
 
 import contextlib
 import functools
+import os
 import types
 
 import numpy as np
@@ -85,6 +86,21 @@ def _weight_splits(weights, tensor_parallel_size):
             for name in weights}
 
 
+def small_batch_tokens():
+    """LayerOps.small_batch_tokens of both backends: XLA_EXT_SERVING_SMALL_BATCH_TOKENS, by
+    default 0, so that XLA's dots run every linear layer. With our small_batch_linear on the
+    1B model's decode steps on the H200 (16 tokens, the smallest token bucket), the step was
+    slower: 1.61 against 1.18 ms at B=1, 1.87 against 1.42 at B=16 (runs of 8; a layer's four
+    products and their epilogues 72 µs against XLA's 45; tools/device/run.sh linear,
+    docs/performance.md)."""
+    value = os.environ.get("XLA_EXT_SERVING_SMALL_BATCH_TOKENS", "")
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        raise TorchXlaExtError(f"XLA_EXT_SERVING_SMALL_BATCH_TOKENS: expected an integer, got "
+                               f"{value!r}") from None
+
+
 class TorchXlaBackend:
     """torch_xla's device; with tensor_parallel_size N > 1, torch_xla SPMD (switched on for
     the whole process: xr.use_spmd) over a mesh of every device torch_xla sees (an SPMD mesh
@@ -107,12 +123,13 @@ class TorchXlaBackend:
         # that failed on the device (a bad slot) ran again at the sync that made new caches,
         # in one of six runs of tests/serving/step_failure_test.py on a loaded CPU, and failed
         # the engine's recovery; written in place, none of eight.
-        self._ops = llama.AttentionOps(llama.write_kv_in_place,
-                                       torch.ops.xla_ext.ragged_paged_attention)
+        self._ops = llama.LayerOps(llama.write_kv_in_place,
+                                   torch.ops.xla_ext.ragged_paged_attention,
+                                   small_batch_tokens=small_batch_tokens())
         if self.mesh is not None:
             from torch_xla_ext import spmd
 
-            self._ops = llama.AttentionOps(
+            self._ops = llama.LayerOps(
                 write_kv=spmd.sharded("kv_cache_update", self.mesh, heads="tp",
                                       functional=True),
                 attend=spmd.sharded("ragged_paged_attention", self.mesh, heads="tp"))
@@ -251,6 +268,10 @@ class TorchaxBackend:
                                    f"sees), got {tensor_parallel_size}")
         self.mesh = jax.sharding.Mesh(devices[:tensor_parallel_size], ("tp",))
         self.env = torchax.default_env()
+        self._ops = llama.LayerOps(llama.write_kv_in_place,
+                                   torch.ops.xla_ext.ragged_paged_attention,
+                                   torch.ops.xla_ext.rotary_kv_cache_update,
+                                   small_batch_tokens())
         self._steps = {}  # (shape, layout, with_logits) -> the jitted step
 
     @property
@@ -291,7 +312,7 @@ class TorchaxBackend:
             import torchax.interop
 
             on_jax_arrays = torchax.interop.jax_view(
-                functools.partial(llama.forward, shape, layout, with_logits))
+                functools.partial(llama.forward, shape, layout, with_logits, ops=self._ops))
             env = self.env
 
             def step(weights, caches, packed, previous_tokens):
@@ -329,7 +350,7 @@ class TorchaxBackend:
             import torchax.interop
 
             forward = torchax.interop.jax_view(
-                functools.partial(llama.forward, shape, layout, False))
+                functools.partial(llama.forward, shape, layout, False, ops=self._ops))
             next_batch = torchax.interop.jax_view(
                 functools.partial(llama.next_decode_batch, layout, page_size))
             env = self.env

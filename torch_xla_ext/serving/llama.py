@@ -9,8 +9,11 @@ torch.ops.xla_ext.rotary_kv_cache_update (one kernel, where XLA made three fusio
 rotation's concatenates and slices and the write was a fourth launch; split over devices, and
 through torch_xla (backends.py says why), the rotation in torch and
 torch.ops.xla_ext.kv_cache_update, in place) and attends with
-torch.ops.xla_ext.ragged_paged_attention; the step ends with greedy sampling (argmax) of each
-sequence's last row, so only token ids leave the device.
+torch.ops.xla_ext.ragged_paged_attention. Its linear layers are XLA's dots, or where
+LayerOps.small_batch_tokens asks (off by default: backends.small_batch_tokens says why),
+torch.ops.xla_ext.small_batch_linear with the residual adds and the SwiGLU fused in. The step
+ends with greedy sampling (argmax) of each sequence's last row, so only token ids leave the
+device.
 """
 
 import dataclasses
@@ -140,16 +143,20 @@ def _rotate(x, cos, sin):
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionOps:
-    """The ops a layer attends with: write_kv(key, value, cache, slot_mapping) returns the cache
+class LayerOps:
+    """The ops a layer runs: write_kv(key, value, cache, slot_mapping) returns the cache
     holding the step's K/V (the same tensor, written in place, or a new one), and
     attend(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=..., max_q_len=...)
     is ragged_paged_attention. rotary_write_kv(qkv, cos, sin, cache, slot_mapping) ->
     (q, cache), where given, rotates q and k and writes K/V in one call instead of the
-    rotation in torch and write_kv (rotary_kv_cache_update; the model's heads whole)."""
+    rotation in torch and write_kv (rotary_kv_cache_update; the model's heads whole).
+    small_batch_tokens: a linear layer without bias over at most this many rows (0: none), in
+    float16 or bfloat16, runs on torch.ops.xla_ext.small_batch_linear instead of XLA's dot, with the residual add
+    or the SwiGLU after it fused in (the model's heads whole)."""
     write_kv: Callable
     attend: Callable
     rotary_write_kv: Optional[Callable] = None
+    small_batch_tokens: int = 0
 
 
 def write_kv_in_place(key, value, cache, slot_mapping):
@@ -161,14 +168,14 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     """One step: the batch `packed` (batch.StepLayout `layout`) through every layer, each
     writing its K/V into caches[layer]. A token id -1 - r in the batch is the token the
     previous step sampled in its row r: previous_tokens[r] (int32 [max_num_seqs], that step's
-    first result, still on the device). `ops` (AttentionOps): default our ops on whole
+    first result, still on the device). `ops` (LayerOps): default our ops on whole
     tensors, the caches written in place; torch_xla's tensor parallel step passes them split
     over its mesh (spmd.sharded), returning new caches. Returns ((token ids [max_num_seqs]
     int32, the greedy pick for each sequence's last row in this step) + (logits
     [max_num_seqs, vocab] when with_logits), the caches written)."""
     if ops is None:
-        ops = AttentionOps(write_kv_in_place, torch.ops.xla_ext.ragged_paged_attention,
-                           torch.ops.xla_ext.rotary_kv_cache_update)
+        ops = LayerOps(write_kv_in_place, torch.ops.xla_ext.ragged_paged_attention,
+                       torch.ops.xla_ext.rotary_kv_cache_update)
     inputs = layout.unpack(packed)
     t, h, kvh, d = layout.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
     n = shape.shards
@@ -177,10 +184,28 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     token_ids = inputs["token_ids"]
     fed_back = previous_tokens[(-1 - token_ids).clamp(min=0)]
     x = F.embedding(torch.where(token_ids >= 0, token_ids, fed_back), weights["embed"])
+    def small(x, bias):
+        return (n == 1 and bias is None and x.shape[0] <= ops.small_batch_tokens
+                and x.dtype in (torch.float16, torch.bfloat16))
+
+    def linear(x, weight, bias, residual=None):
+        """x @ weight.T (+ bias) (+ residual)."""
+        if small(x, bias):
+            return torch.ops.xla_ext.small_batch_linear(x, weight, residual)
+        y = F.linear(x, weight, bias)
+        return y if residual is None else residual + y
+
+    def swiglu(x, gate_up, bias):
+        """silu(x @ gate.T) * (x @ up.T), gate_up = each shard's gate rows, then its up rows."""
+        if small(x, bias):
+            return torch.ops.xla_ext.small_batch_linear(x, gate_up, None, 1)
+        gate, up = F.linear(x, gate_up, bias).reshape(t, n, 2, -1).unbind(2)
+        return (F.silu(gate) * up).reshape(t, -1)
+
     written = []
     for layer, cache in zip(weights["layers"], caches):
-        qkv = F.linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
-                       layer["qkv_bias"])
+        qkv = linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
+                     layer["qkv_bias"])
         if ops.rotary_write_kv is not None and n == 1:  # rows q, k, v: [t, h + 2 kvh, d]
             q, cache = ops.rotary_write_kv(qkv.reshape(t, h + 2 * kvh, d), cos, sin, cache,
                                            inputs["slot_mapping"])
@@ -195,12 +220,12 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
         attn = ops.attend(
             q, cache, inputs["kv_lens"], inputs["page_indices"], inputs["cu_q_lens"],
             inputs["num_seqs"], sm_scale=shape.sm_scale, max_q_len=layout.max_q_len)
-        x = x + F.linear(attn.reshape(t, h * d), layer["o"], layer["o_bias"])
-        gate, up = F.linear(_rms_norm(x, layer["post_norm"], shape.rms_norm_eps),
-                            layer["gate_up"], layer["gate_up_bias"]).reshape(t, n, 2, -1).unbind(2)
-        x = x + F.linear((F.silu(gate) * up).reshape(t, -1), layer["down"], layer["down_bias"])
+        x = linear(attn.reshape(t, h * d), layer["o"], layer["o_bias"], x)
+        act = swiglu(_rms_norm(x, layer["post_norm"], shape.rms_norm_eps), layer["gate_up"],
+                     layer["gate_up_bias"])
+        x = linear(act, layer["down"], layer["down_bias"], x)
     last = _rms_norm(x[inputs["sample_rows"]], weights["norm"], shape.rms_norm_eps)
-    logits = F.linear(last, weights.get("lm_head", weights["embed"]))
+    logits = linear(last, weights.get("lm_head", weights["embed"]), None)
     token_ids = logits.argmax(dim=-1).to(torch.int32)
     return ((token_ids, logits.float()) if with_logits else (token_ids,)), written
 
