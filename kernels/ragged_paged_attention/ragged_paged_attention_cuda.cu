@@ -101,11 +101,15 @@ struct Kernels {
     int workers;
   };
 
+  // Where neither the tiled kernels nor the decode kernel alone apply: the CUDA-core kernel
+  // forced, a mask_value whose masked positions must be visited, no Hopper.
+  static bool OnlySimtApplies(const BatchParams& p, const Call& call) {
+    return ForceSimt() || p.visit_masked || !call.device.has_value() || call.device->major < 9;
+  }
+
   // The tiled kernel for the call, or nullopt where none applies.
   static std::optional<Tiled> ChooseTiled(const BatchParams& p, const Call& call) {
-    if (ForceSimt() || p.visit_masked || !call.device.has_value() || call.device->major < 9) {
-      return std::nullopt;
-    }
+    if (OnlySimtApplies(p, call)) return std::nullopt;
     if constexpr (kHasWarpgroup) {
       // Its producer indexes cache rows (page * page_size + offset) in int.
       if (!ForceTensorCore() && call.device->major == 9 &&
@@ -234,13 +238,13 @@ struct Kernels {
   }
 
   // The decode kernel alone, for a batch of decode steps only (max_q_len = 1), or nullopt
-  // where it does not apply: the kernels of the tiled path's conditions (a forced kernel, a
-  // mask_value whose masked positions must be visited, no Hopper), which then run instead.
+  // where it does not apply (a tiled kernel forced, or OnlySimtApplies): the kernels of the
+  // tiled path then run instead.
   static std::optional<decode::tensor_core::Plan> DecodeOnlyPlan(const BatchParams& batch,
                                                                  const Call& call) {
     if constexpr (kHasTensorCore) {
-      if (!call.decode_only || ForceSimt() || ForceTensorCore() || ForceWarpgroup() ||
-          batch.visit_masked || !call.device.has_value()) {
+      if (!call.decode_only || ForceTensorCore() || ForceWarpgroup() ||
+          OnlySimtApplies(batch, call)) {
         return std::nullopt;
       }
       return decode::tensor_core::MakePlan<T, kHeadDim, DecodeOnlySteps>(
