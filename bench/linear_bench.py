@@ -10,7 +10,7 @@ step's kernels back to back) and CUDA events time its replay, the median of 5.
 Bandwidth is the weight's bytes over the time, beside the device-to-device copy bandwidth
 measured eagerly (bytes read + written) in the same run.
 
-    python bench/linear_bench.py --out h200-linear.json   (tools/device/run.sh linear)
+    python bench/linear_bench.py --out h200-layer-ops.json   (tools/device/run.sh layer_ops)
 """
 
 import argparse

@@ -49,10 +49,11 @@ KINDS = {
     "ragged": "`tools/device/run.sh ragged`: bench/ragged_bench.py --flashinfer",
     "kernel-times": "`tools/device/run.sh bench`: bench/kernel_times.py, ours and cuDNN SDPA",
     "kv-cache": "bench/kv_cache_bench.py (`tools/device/run.sh kv_cache` on the GPU)",
-    "linear": "`tools/device/run.sh linear`: bench/linear_bench.py, small_batch_linear against "
-              "cuBLAS",
-    "linear-tests": "`tools/device/run.sh linear`: small_batch_linear's GPU tests and "
-                    "sanitizers, its benchmark's lines, and the serving step with it and without",
+    "layer-ops": "`tools/device/run.sh layer_ops` (part bench): bench/linear_bench.py, "
+                 "small_batch_linear against cuBLAS",
+    "layer-ops-tests": "`tools/device/run.sh layer_ops`: the layer ops' GPU tests and "
+                       "sanitizers, the benchmark's lines, and the serving step with an op and "
+                       "without",
     "eager-overhead": "bench/eager_overhead.py --device cpu|cuda",
     r"tp(?P<tp>[0-9]+)": "`tools/device/run.sh tp1` / `tp2`: bench/tp_bench.py",
     r"engine-soak-(?P<backend>[a-z-]+)": "bench/engine_soak.py --steps 10000 (on the GPU machine: "
@@ -685,7 +686,7 @@ SECTIONS = [
     ("A custom call's cost inside a compiled graph", [("dispatch-command-buffers", "txt")],
      dispatch_lines, "each"),
     ("KV-cache write step against cache size", [("kv-cache", "json")], kv_cache, "each"),
-    ("Linear layers of a decode step: small_batch_linear against cuBLAS", [("linear", "json")],
+    ("Linear layers of a decode step: small_batch_linear against cuBLAS", [("layer-ops", "json")],
      linear, "each"),
     ("Host time of an eager torch-op call", [("eager-overhead", "json")], eager_overhead, "all"),
     ("One decoder layer split over GPUs", [(r"tp(?P<tp>[0-9]+)", "json")], tp_layer, "each"),
@@ -698,7 +699,7 @@ LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),
         (r"sanitize(?:-(?P<tools>[a-z-]+))?", "txt"), ("plugin", "txt"),
         ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("torch-xla-legacy", "txt"),
         ("torch-xla-failures", "txt"), ("serving-summary", "txt"), ("serving-ab", "txt"),
-        ("linear-tests", "txt")]
+        ("layer-ops-tests", "txt")]
 PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"),
             (r"ncu-ragged-sass-(?P<table>[0-9]+)", "csv"), ("dispatch-record-probe", "txt"),
             ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt"),

@@ -95,6 +95,15 @@ def rotary_kv_cache_update_ref(qkv, cos, sin, kv_cache, slot_mapping):
     return q, kv_cache_update_ref(k, v, kv_cache, slot_mapping)
 
 
+def add_rms_norm_ref(x, residual, weight, eps):
+    """(residual + x, its RMSNorm) as torch's eager ops and transformers' LlamaRMSNorm compute
+    them in x's dtype."""
+    total = residual + x
+    x32 = total.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return total, weight * x32.to(x.dtype)
+
+
 def small_batch_linear_ref(x, weight, residual=None, silu_gate=0):
     """small_batch_linear as torch's eager ops compute it in x's dtype: x @ weight.T (+
     residual), or silu(x @ gate.T) * (x @ up.T) with weight = [gate; up]; the products from a

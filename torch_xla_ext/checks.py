@@ -213,6 +213,19 @@ def rotary_kv_cache_update(qkv, cos, sin, kv_cache, slot_mapping):
         _fail(op, "slot_mapping", f"shape [{num_tokens}]", f"shape {_shape(slot_mapping)}")
 
 
+def add_rms_norm(x, residual, weight, eps):
+    op = "xla_ext.add_rms_norm"
+    _check_rank(op, "x", x, 2, "[num_tokens, hidden]")
+    _check_dtype(op, "x", x, supported(op, "dtype", "x"))
+    _check_same(op, "residual", residual, "x", x)
+    _check_same_dtype(op, "weight", weight, "x", x)
+    hidden = _shape(x)[1]
+    if _shape(weight) != [hidden]:
+        _fail(op, "weight", f"shape [{hidden}] (hidden of 'x')", f"shape {_shape(weight)}")
+    if not eps >= 0:
+        _fail(op, "eps", ">= 0", eps)
+
+
 def small_batch_linear(x, weight, residual, silu_gate):
     op = "xla_ext.small_batch_linear"
     _check_rank(op, "x", x, 2, "[num_tokens, in_features]")

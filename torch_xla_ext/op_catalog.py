@@ -151,6 +151,25 @@ ROTARY_KV_CACHE_UPDATE = OpDef(
         a["kv_cache"].shape[0] * a["kv_cache"].shape[1], "num_pages * page_size"),
 )
 
+ADD_RMS_NORM = OpDef(
+    name="add_rms_norm",
+    target="xla_ext.add_rms_norm",
+    schema="(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    doc="""A decoder layer's residual add and the RMSNorm after it, in one kernel: x, residual
+    [num_tokens, hidden] and weight [hidden], one dtype (float32, float16 or bfloat16). Returns
+    (residual + x, the RMSNorm of that sum scaled by weight), rounded as torch's eager ops and
+    transformers' LlamaRMSNorm round: the sum to the dtype, the row normalised in float32 with
+    rsqrt(mean(sum ** 2) + eps) then cast to the dtype, and its product with weight.""",
+    operands=("x", "residual", "weight"),
+    attributes={"eps": "float32"},
+    results=lambda a: [(a["x"].shape, a["x"].dtype)] * 2,
+    check=checks.add_rms_norm,
+    # Rows split; a row's hidden dimension is one reduction.
+    layout=Layout(operands={"x": "tokens hidden", "residual": "tokens hidden", "weight": "hidden"},
+                  results=("tokens hidden", "tokens hidden"), batch="tokens"),
+)
+
+
 def _linear_results(a):
     """[num_tokens, out_features]: weight's rows, or half of them with silu_gate. (Shapes stay
     valid for the calls the handler itself refuses.)"""
@@ -255,4 +274,4 @@ RAGGED_PAGED_ATTENTION = OpDef(
 )
 
 OPS = (SIMPLE_ADD, PAGED_ATTENTION, RESHAPE_AND_CACHE, KV_CACHE_UPDATE, KV_CACHE_UPDATE_SLICES,
-       ROTARY_KV_CACHE_UPDATE, RAGGED_PAGED_ATTENTION, SMALL_BATCH_LINEAR)
+       ROTARY_KV_CACHE_UPDATE, RAGGED_PAGED_ATTENTION, SMALL_BATCH_LINEAR, ADD_RMS_NORM)

@@ -420,6 +420,28 @@ def test_rotary_kv_cache_update_matches_reference(dtype, data, num_q_heads):
     assert_same_bits(args["kv_cache"], kv_cache)  # the functional op leaves its input alone
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@properties(max_examples=8)
+@given(num_tokens=st.integers(0, 20), hidden=st.one_of(st.sampled_from([1, 255, 256, 257]),
+                                                       st.integers(1, 600)),
+       eps=st.sampled_from([0.0, 1e-6, 1e-5, 0.5]), seed=seeds)
+def test_add_rms_norm_matches_reference(dtype, num_tokens, hidden, eps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    args = dict(x=randn((num_tokens, hidden), dtype, gen),
+                residual=randn((num_tokens, hidden), dtype, gen) * 4,
+                weight=randn((hidden,), dtype, gen), eps=eps)
+    op = OPS["add_rms_norm"]
+    want_total, want_normed = reference.add_rms_norm_ref(**args)
+    # The sum bit for bit; the normed row within a rounding of the dtype (16 of float32's: the
+    # squares summed in another order) relative to its largest value.
+    ulp = {torch.float32: 2.0 ** -18, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    tol = ulp * max(float(want_normed.double().abs().max()) if want_normed.numel() else 0, 1.0)
+    for total, normed in [run_jax(op, args, mode) for mode in ("jax", "jit", "handler")] + \
+            [run_torch(op, args)]:
+        assert_same_bits(total, want_total)
+        torch.testing.assert_close(normed.double(), want_normed.double(), atol=tol, rtol=0)
+
+
 @st.composite
 def linear_inputs(draw):
     """small_batch_linear's arguments: token counts around the CUDA kernel's 8-token tiles,
@@ -859,6 +881,37 @@ ROTARY_BAD = [
 def test_rotary_kv_cache_update_rejects(bad, w, num_q_heads, data):
     args = rotary_write_inputs(w, num_q_heads)
     check_rejected(OPS["rotary_kv_cache_update"], bad.change(args, data.draw), bad)
+
+
+# add_rms_norm
+ADD_RMS_NORM_BAD = [
+    Bad("x_rank", "x", lambda a, draw: _with(a, x=_bad_rank(a["x"], draw))),
+    # JAX without x64 would give the handler float32: only the Python side sees float64.
+    Bad("x_dtype", "x", lambda a, draw: _with(a, **{n: a[n].to(torch.float64) for n in (
+        "x", "residual", "weight")}), FRONT_END),
+    Bad("residual_shape", "residual", lambda a, draw: _with(a, residual=_grow_or_shrink(
+        a["residual"], draw(st.integers(0, 1)), draw))),
+    Bad("residual_dtype", "residual", lambda a, draw: _with(a, residual=a["residual"].to(
+        _other(DTYPES, a["residual"].dtype)(draw)))),
+    Bad("weight_shape", "weight", lambda a, draw: _with(a, weight=_grow_or_shrink(
+        a["weight"], 0, draw))),
+    Bad("weight_dtype", "weight", lambda a, draw: _with(a, weight=a["weight"].to(
+        _other(DTYPES, a["weight"].dtype)(draw)))),
+    Bad("eps_negative", "eps", lambda a, draw: _with(a, eps=-draw(st.sampled_from(
+        [1e-6, 1.0, float("inf")])))),
+]
+
+
+@pytest.mark.parametrize("bad", ADD_RMS_NORM_BAD, ids=repr)
+@properties(max_examples=4)
+@given(num_tokens=st.integers(1, 9), hidden=st.integers(1, 40), dtype=st.sampled_from(DTYPES),
+       seed=seeds, data=st.data())
+def test_add_rms_norm_rejects(bad, num_tokens, hidden, dtype, seed, data):
+    gen = torch.Generator().manual_seed(seed)
+    args = dict(x=randn((num_tokens, hidden), dtype, gen),
+                residual=randn((num_tokens, hidden), dtype, gen),
+                weight=randn((hidden,), dtype, gen), eps=1e-5)
+    check_rejected(OPS["add_rms_norm"], bad.change(args, data.draw), bad)
 
 
 # small_batch_linear

@@ -76,18 +76,21 @@
 #                        B = 1, 16, 64 and the mixed step; SERVING_ARGS adds arguments) with its
 #                        kernels in order -> <gpu>-serving.json ({"runs": {base, tree}}),
 #                        <gpu>-serving-timeline.txt (both), the logs in <gpu>-serving.txt
-#   linear:   xla_ext.small_batch_linear: the build (sm_90a), then the parts LINEAR_PART names
-#             ("kernels serving" fits one call with SERVING_ARGS="--batches 1,16 --no-mixed"):
-#               kernels: its GPU tests through JAX and torch, the same
-#                        under compute-sanitizer memcheck and racecheck, and
-#                        bench/linear_bench.py (against cuBLAS) -> <gpu>-linear-tests.txt,
-#                        <gpu>-linear.json
+#   layer_ops: the layer ops small_batch_linear and add_rms_norm: the build (sm_90a), then the
+#             parts LAYER_OPS_PART names, in its order ("kernels bench serving" fits one
+#             call with LINEAR_ARGS="--models 1b" SERVING_ARGS="--batches 1,16 --no-mixed"):
+#               kernels: their GPU tests through JAX and torch (LAYER_OPS_TESTS, default both
+#                        ops' files), the same under compute-sanitizer memcheck and racecheck
+#                        -> <gpu>-layer-ops-tests.txt
+#               bench:   bench/linear_bench.py (small_batch_linear against cuBLAS; LINEAR_ARGS
+#                        adds arguments) -> <gpu>-layer-ops.json, its lines in the log
 #               serving: bench/serving_bench.py (ours, runs of 8 decode steps at B = 1, 16, 64
-#                        and the mixed step; SERVING_ARGS adds arguments) with the linear layers
-#                        on XLA's dots (XLA_EXT_SERVING_SMALL_BATCH_TOKENS=0, the engine's
-#                        default) and then on small_batch_linear up to LINEAR_SERVING_TOKENS
-#                        (default 16) tokens: the step times and the first layer's kernels of
-#                        each, appended to <gpu>-linear-tests.txt
+#                        and the mixed step; SERVING_ARGS adds arguments) without and with the
+#                        op LAYER_OPS_AB names: linear (the linear layers on XLA's dots, then
+#                        on small_batch_linear up to LINEAR_SERVING_TOKENS, default 16, tokens)
+#                        or norm (XLA's add and norm fusions, then add_rms_norm): the step times
+#                        and the first layer's kernels of each, appended to
+#                        <gpu>-layer-ops-tests.txt
 #   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
 #             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
@@ -110,7 +113,7 @@ TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == serving || $PHASE == serving_flags ]] && TESTS="$OUT/$GPU-serving-summary.txt"
 [[ $PHASE == tp ]] && TESTS="$OUT/$GPU-serving-tp-summary.txt"
 [[ $PHASE == serving_ab ]] && TESTS="$OUT/$GPU-serving-ab.txt"
-[[ $PHASE == linear ]] && TESTS="$OUT/$GPU-linear-tests.txt"
+[[ $PHASE == layer_ops ]] && TESTS="$OUT/$GPU-layer-ops-tests.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
   SANITIZERS=("$@")
@@ -124,7 +127,8 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning)
 # sanitizers make slow (random shapes, rows of thousands of tokens) are left out.
 KERNEL_TESTS=(tests/kernels/test_kv_cache_update.py tests/kernels/test_paged_attention.py
               tests/kernels/test_ragged_paged_attention.py tests/kernels/test_reshape_and_cache.py
-              tests/kernels/test_simple_add.py)
+              tests/kernels/test_simple_add.py tests/kernels/test_small_batch_linear.py
+              tests/kernels/test_add_rms_norm.py)
 SANITIZER_DESELECT="not random and not long_rows and not very_long"
 sanitize_run() {  # tool, debug checks (0/1), label, pytest arguments...
   local tool="$1" debug="$2" label="$3"
@@ -166,7 +170,7 @@ step() { echo "== $*" | tee -a "$TESTS"; }
 [[ $PHASE == bench || $PHASE == kv_cache || $PHASE == tp1 || $PHASE == tp2 || $PHASE == serving_flags \
    || $PHASE == ncu_mixes || $PHASE == ncu_ragged || $PHASE == clocks_ragged \
    || ( $PHASE == serving_ab && ${AB_PART:-} != kernels ) \
-   || ( $PHASE == linear && ${LINEAR_PART:-} != kernels* ) ]] \
+   || ( $PHASE == layer_ops && ${LAYER_OPS_PART:-} != kernels* ) ]] \
   || : > "$TESTS"
 
 step "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
@@ -248,30 +252,39 @@ PY
   step "done, status $status"
   exit $status
 fi
-if [[ $PHASE == linear ]]; then
-  [[ -n ${LINEAR_PART:-} ]] || { step "linear: LINEAR_PART must name kernels, serving or both"; exit 2; }
+if [[ $PHASE == layer_ops ]]; then
+  [[ -n ${LAYER_OPS_PART:-} ]] || { step "layer_ops: LAYER_OPS_PART must name parts: kernels, bench, serving"; exit 2; }
   step "build: tools/device/build_kernels.sh (sm_90a)"
   CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a tools/device/build_kernels.sh \
     > /tmp/build.txt 2>&1 || { tail -30 /tmp/build.txt | tee -a "$TESTS"; exit 1; }
-  for part in $LINEAR_PART; do
+  LAYER_OPS_TESTS=(${LAYER_OPS_TESTS:-tests/kernels/test_small_batch_linear.py tests/kernels/test_add_rms_norm.py})
+  for part in $LAYER_OPS_PART; do
   case "$part" in
     kernels)
-      step "GPU tests: tests/kernels/test_small_batch_linear.py (JAX, and torch on CUDA tensors)"
-      XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" -rs tests/kernels/test_small_batch_linear.py \
-        2>&1 | tail -3 | tee -a "$TESTS" || status=1
+      step "GPU tests: ${LAYER_OPS_TESTS[*]} (JAX, and torch on CUDA tensors)"
+      XLA_EXT_TEST_PLATFORM=cuda "${PYTEST[@]}" -rs "${LAYER_OPS_TESTS[@]}" 2>&1 | tail -3 | \
+        tee -a "$TESTS" || status=1
       for tool in memcheck racecheck; do
-        sanitize_run "$tool" 0 "tests/kernels/test_small_batch_linear.py" \
-          tests/kernels/test_small_batch_linear.py
+        sanitize_run "$tool" 0 "${LAYER_OPS_TESTS[*]}" "${LAYER_OPS_TESTS[@]}"
       done
-      step "benchmark: bench/linear_bench.py against cuBLAS"
-      timeout 300 python3 bench/linear_bench.py --out "$OUT/$GPU-linear.json" ${LINEAR_ARGS:-} \
+      ;;
+    bench)
+      step "benchmark: bench/linear_bench.py against cuBLAS ${LINEAR_ARGS:-}"
+      timeout 300 python3 bench/linear_bench.py --out "$OUT/$GPU-layer-ops.json" ${LINEAR_ARGS:-} \
         2>&1 | grep -v -i warn | tee -a "$TESTS" || status=1
       ;;
     serving)
-      for name in xla_dots small_batch_linear; do
-        tokens=$([[ $name == xla_dots ]] && echo 0 || echo "${LINEAR_SERVING_TOKENS:-16}")
-        step "$name: XLA_EXT_SERVING_SMALL_BATCH_TOKENS=$tokens bench/serving_bench.py --impls ours --modes runs ${SERVING_ARGS:-}"
-        XLA_EXT_SERVING_SMALL_BATCH_TOKENS=$tokens timeout 280 python3 bench/serving_bench.py \
+      case "${LAYER_OPS_AB:-linear}" in
+        linear) knob=XLA_EXT_SERVING_SMALL_BATCH_TOKENS
+                variants=("xla_dots=0" "small_batch_linear=${LINEAR_SERVING_TOKENS:-16}") ;;
+        norm) knob=XLA_EXT_SERVING_ADD_RMS_NORM
+              variants=("xla_add_and_norm=0" "add_rms_norm=1") ;;
+        *) step "layer_ops: LAYER_OPS_AB must be linear or norm, got '$LAYER_OPS_AB'"; exit 2 ;;
+      esac
+      for variant in "${variants[@]}"; do
+        name=${variant%%=*} value=${variant#*=}
+        step "$name: $knob=$value bench/serving_bench.py --impls ours --modes runs ${SERVING_ARGS:-}"
+        env "$knob=$value" timeout 280 python3 bench/serving_bench.py \
           --impls ours --modes runs --steps 24 --out "/tmp/serving-$name.json" \
           --timeline "/tmp/serving-timeline-$name.txt" ${SERVING_ARGS:-} 2>&1 | \
           grep -v -i warn | grep -E "tokens/s|wrote|Error" | tee -a "$TESTS" || status=1
@@ -280,7 +293,7 @@ if [[ $PHASE == linear ]]; then
         sed -n '2,16p' "/tmp/serving-timeline-$name.txt" | cut -c1-150 | tee -a "$TESTS"
       done
       ;;
-    *) step "linear: LINEAR_PART must name kernels, serving or both, got '$LINEAR_PART'"
+    *) step "layer_ops: LAYER_OPS_PART must name parts: kernels, bench, serving; got '$LAYER_OPS_PART'"
        exit 2 ;;
   esac
   done
