@@ -86,12 +86,25 @@ def _weight_splits(weights, tensor_parallel_size):
             for name in weights}
 
 
+def add_rms_norm():
+    """LayerOps.add_rms_norm of both backends: XLA's add and norm fusions, unless
+    XLA_EXT_SERVING_ADD_RMS_NORM=1 asks for our add_rms_norm. With it the 1B decode step on the
+    H200 was slower: 1.26 against 1.21 ms at B=1, 1.52 against 1.45 at B=16 (runs of 8; its
+    kernel took 3.7-4.5 µs where XLA's add and norm took 2.9, and XLA's o and down GEMMs then
+    ended in a split-K reduction of their own, 1.4 µs, that the add had absorbed;
+    tools/device/run.sh layer_ops, docs/performance.md)."""
+    value = os.environ.get("XLA_EXT_SERVING_ADD_RMS_NORM", "0")
+    if value not in ("0", "1"):
+        raise TorchXlaExtError(f"XLA_EXT_SERVING_ADD_RMS_NORM: expected 0 or 1, got {value!r}")
+    return torch.ops.xla_ext.add_rms_norm if value == "1" else None
+
+
 def small_batch_tokens():
     """LayerOps.small_batch_tokens of both backends: XLA_EXT_SERVING_SMALL_BATCH_TOKENS, by
     default 0, so that XLA's dots run every linear layer. With our small_batch_linear on the
     1B model's decode steps on the H200 (16 tokens, the smallest token bucket), the step was
     slower: 1.61 against 1.18 ms at B=1, 1.87 against 1.42 at B=16 (runs of 8; a layer's four
-    products and their epilogues 72 µs against XLA's 45; tools/device/run.sh linear,
+    products and their epilogues 72 µs against XLA's 45; tools/device/run.sh layer_ops,
     docs/performance.md)."""
     value = os.environ.get("XLA_EXT_SERVING_SMALL_BATCH_TOKENS", "")
     try:
@@ -125,6 +138,7 @@ class TorchXlaBackend:
         # the engine's recovery; written in place, none of eight.
         self._ops = llama.LayerOps(llama.write_kv_in_place,
                                    torch.ops.xla_ext.ragged_paged_attention,
+                                   add_rms_norm=add_rms_norm(),
                                    small_batch_tokens=small_batch_tokens())
         if self.mesh is not None:
             from torch_xla_ext import spmd
@@ -271,7 +285,7 @@ class TorchaxBackend:
         self._ops = llama.LayerOps(llama.write_kv_in_place,
                                    torch.ops.xla_ext.ragged_paged_attention,
                                    torch.ops.xla_ext.rotary_kv_cache_update,
-                                   small_batch_tokens())
+                                   add_rms_norm(), small_batch_tokens())
         self._steps = {}  # (shape, layout, with_logits) -> the jitted step
 
     @property

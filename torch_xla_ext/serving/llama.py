@@ -9,11 +9,11 @@ torch.ops.xla_ext.rotary_kv_cache_update (one kernel, where XLA made three fusio
 rotation's concatenates and slices and the write was a fourth launch; split over devices, and
 through torch_xla (backends.py says why), the rotation in torch and
 torch.ops.xla_ext.kv_cache_update, in place) and attends with
-torch.ops.xla_ext.ragged_paged_attention. Its linear layers are XLA's dots, or where
-LayerOps.small_batch_tokens asks (off by default: backends.small_batch_tokens says why),
-torch.ops.xla_ext.small_batch_linear with the residual adds and the SwiGLU fused in. The step
-ends with greedy sampling (argmax) of each sequence's last row, so only token ids leave the
-device.
+torch.ops.xla_ext.ragged_paged_attention. Its linear layers are XLA's dots, and its residual
+adds and norms XLA's fusions, or where LayerOps asks (off by default: backends.py says why)
+torch.ops.xla_ext.small_batch_linear with the residual adds and the SwiGLU fused in, and
+torch.ops.xla_ext.add_rms_norm. The step ends with greedy sampling (argmax) of each sequence's
+last row, so only token ids leave the device.
 """
 
 import dataclasses
@@ -150,12 +150,16 @@ class LayerOps:
     is ragged_paged_attention. rotary_write_kv(qkv, cos, sin, cache, slot_mapping) ->
     (q, cache), where given, rotates q and k and writes K/V in one call instead of the
     rotation in torch and write_kv (rotary_kv_cache_update; the model's heads whole).
-    small_batch_tokens: a linear layer without bias over at most this many rows (0: none), in
-    float16 or bfloat16, runs on torch.ops.xla_ext.small_batch_linear instead of XLA's dot, with the residual add
-    or the SwiGLU after it fused in (the model's heads whole)."""
+    add_rms_norm(x, residual, weight, eps) -> (residual + x, its RMSNorm), where given, runs
+    each residual add and the norm after it as one call (add_rms_norm) instead of XLA's two
+    fusions. small_batch_tokens: a linear layer without bias over at most this many rows (0:
+    none), in float16 or bfloat16, runs on torch.ops.xla_ext.small_batch_linear instead of
+    XLA's dot, with the residual add or the SwiGLU after it fused in (the model's heads
+    whole)."""
     write_kv: Callable
     attend: Callable
     rotary_write_kv: Optional[Callable] = None
+    add_rms_norm: Optional[Callable] = None
     small_batch_tokens: int = 0
 
 
@@ -184,6 +188,8 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
     token_ids = inputs["token_ids"]
     fed_back = previous_tokens[(-1 - token_ids).clamp(min=0)]
     x = F.embedding(torch.where(token_ids >= 0, token_ids, fed_back), weights["embed"])
+    eps = shape.rms_norm_eps
+
     def small(x, bias):
         return (n == 1 and bias is None and x.shape[0] <= ops.small_batch_tokens
                 and x.dtype in (torch.float16, torch.bfloat16))
@@ -202,10 +208,18 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
         gate, up = F.linear(x, gate_up, bias).reshape(t, n, 2, -1).unbind(2)
         return (F.silu(gate) * up).reshape(t, -1)
 
+    def add_norm(x, inputs, weight, bias, norm):
+        """(x + inputs @ weight.T (+ bias), its RMSNorm scaled by `norm`, or None without)."""
+        if norm is None or ops.add_rms_norm is None or small(inputs, bias):
+            x = linear(inputs, weight, bias, x)
+            return x, None if norm is None else _rms_norm(x, norm, eps)
+        return ops.add_rms_norm(linear(inputs, weight, bias), x, norm, eps)
+
+    layers = weights["layers"]
+    normed = _rms_norm(x, layers[0]["input_norm"], eps)
     written = []
-    for layer, cache in zip(weights["layers"], caches):
-        qkv = linear(_rms_norm(x, layer["input_norm"], shape.rms_norm_eps), layer["qkv"],
-                     layer["qkv_bias"])
+    for i, (layer, cache) in enumerate(zip(layers, caches)):
+        qkv = linear(normed, layer["qkv"], layer["qkv_bias"])
         if ops.rotary_write_kv is not None and n == 1:  # rows q, k, v: [t, h + 2 kvh, d]
             q, cache = ops.rotary_write_kv(qkv.reshape(t, h + 2 * kvh, d), cos, sin, cache,
                                            inputs["slot_mapping"])
@@ -220,11 +234,14 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
         attn = ops.attend(
             q, cache, inputs["kv_lens"], inputs["page_indices"], inputs["cu_q_lens"],
             inputs["num_seqs"], sm_scale=shape.sm_scale, max_q_len=layout.max_q_len)
-        x = linear(attn.reshape(t, h * d), layer["o"], layer["o_bias"], x)
-        act = swiglu(_rms_norm(x, layer["post_norm"], shape.rms_norm_eps), layer["gate_up"],
-                     layer["gate_up_bias"])
-        x = linear(act, layer["down"], layer["down_bias"], x)
-    last = _rms_norm(x[inputs["sample_rows"]], weights["norm"], shape.rms_norm_eps)
+        x, normed = add_norm(x, attn.reshape(t, h * d), layer["o"], layer["o_bias"],
+                             layer["post_norm"])
+        act = swiglu(normed, layer["gate_up"], layer["gate_up_bias"])
+        # The next layer's input norm, after this one's residual add (the last layer's norm is
+        # of the sampled rows alone).
+        x, normed = add_norm(x, act, layer["down"], layer["down_bias"],
+                             layers[i + 1]["input_norm"] if i + 1 < len(layers) else None)
+    last = _rms_norm(x[inputs["sample_rows"]], weights["norm"], eps)
     logits = linear(last, weights.get("lm_head", weights["embed"]), None)
     token_ids = logits.argmax(dim=-1).to(torch.int32)
     return ((token_ids, logits.float()) if with_logits else (token_ids,)), written
