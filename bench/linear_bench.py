@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_xla_ext  # noqa: F401  (torch.ops.xla_ext)
-from bench.gpu_trace import copy_gbps
+from bench.gpu_trace import captured_graph, copy_gbps
 
 # (model, projection, weight rows, in_features, form)
 LAYERS = [
@@ -41,17 +41,7 @@ TOKENS = [1, 8, 16, 32, 64]
 def time_us(fn, calls=100, repeats=5):
     """GPU time per call of fn: `calls` calls captured in one CUDA graph (launched one by one,
     a call of a few microseconds would time the host), the median of `repeats` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
+    graph = captured_graph(fn, calls)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
