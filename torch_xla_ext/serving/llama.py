@@ -208,12 +208,12 @@ def forward(shape, layout, with_logits, weights, caches, packed, previous_tokens
         gate, up = F.linear(x, gate_up, bias).reshape(t, n, 2, -1).unbind(2)
         return (F.silu(gate) * up).reshape(t, -1)
 
-    def add_norm(x, inputs, weight, bias, norm):
-        """(x + inputs @ weight.T (+ bias), its RMSNorm scaled by `norm`, or None without)."""
-        if norm is None or ops.add_rms_norm is None or small(inputs, bias):
-            x = linear(inputs, weight, bias, x)
+    def add_norm(x, features, weight, bias, norm):
+        """(x + features @ weight.T (+ bias), its RMSNorm scaled by `norm`, or None without)."""
+        if norm is None or ops.add_rms_norm is None or small(features, bias):
+            x = linear(features, weight, bias, x)
             return x, None if norm is None else _rms_norm(x, norm, eps)
-        return ops.add_rms_norm(linear(inputs, weight, bias), x, norm, eps)
+        return ops.add_rms_norm(linear(features, weight, bias), x, norm, eps)
 
     layers = weights["layers"]
     normed = _rms_norm(x, layers[0]["input_norm"], eps)
