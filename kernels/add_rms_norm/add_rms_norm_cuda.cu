@@ -29,10 +29,7 @@ __global__ void __launch_bounds__(kThreads)
     const float f = cuda::ToFloat(value);
     squares += f * f;
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-  }
+  squares = cuda::WarpReduce(squares, [](float a, float b) { return a + b; });
   __shared__ float warp_squares[kThreads / 32];
   if (threadIdx.x % 32 == 0) warp_squares[threadIdx.x / 32] = squares;
   __syncthreads();

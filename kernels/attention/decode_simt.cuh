@@ -165,14 +165,14 @@ __global__ void __launch_bounds__(kThreads) AttendSimtKernel(Params p,
     float* row = logits + h * kPartition;
     float m = -INFINITY;
     for (int t = warp_lane; t < end - start; t += 32) m = fmaxf(m, row[t]);
-    m = WarpReduce(m, [](float a, float b) { return fmaxf(a, b); });
+    m = cuda::WarpReduce(m, [](float a, float b) { return fmaxf(a, b); });
     float sum = 0.0f;
     for (int t = warp_lane; t < end - start; t += 32) {
       const float e = m == -INFINITY ? 0.0f : __expf(row[t] - m);  // all skipped: weight 0
       row[t] = e;
       sum += e;
     }
-    sum = WarpReduce(sum, [](float a, float b) { return a + b; });
+    sum = cuda::WarpReduce(sum, [](float a, float b) { return a + b; });
     if (warp_lane == 0) {
       head_max[h] = m;
       head_sum[h] = sum;

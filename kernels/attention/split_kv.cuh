@@ -140,15 +140,6 @@ constexpr int CombineChunk() {
   return kHeadSize > 128 ? 8 : 16;
 }
 
-template <typename Op>
-__device__ __forceinline__ float WarpReduce(float value, Op op) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  }
-  return value;
-}
-
 // A (sequence, head) row whose records a combine CTA merges.
 struct CombineRow {
   int64_t first;       // its first record, numbered as in the partials ([num_heads, num_records])
@@ -191,12 +182,12 @@ __device__ __forceinline__ void MergeShare(const Params& p, const CombineRow& r,
                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     const float new_max =
-        fmaxf(m, WarpReduce(chunk_max, [](float a, float b) { return fmaxf(a, b); }));
+        fmaxf(m, cuda::WarpReduce(chunk_max, [](float a, float b) { return fmaxf(a, b); }));
     // A record whose tokens were all skipped has max -inf and sum 0: weight 0.
     if (new_max == -INFINITY) continue;
     const float rescale = __expf(m - new_max);  // 0 while m is -inf
     const float weight = chunk_max == -INFINITY ? 0.0f : __expf(chunk_max - new_max);
-    l = l * rescale + WarpReduce(weight * chunk_sum, [](float a, float b) { return a + b; });
+    l = l * rescale + cuda::WarpReduce(weight * chunk_sum, [](float a, float b) { return a + b; });
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       const float w = __shfl_sync(0xffffffffu, weight, j);

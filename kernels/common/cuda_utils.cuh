@@ -45,6 +45,17 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// op folded over the warp's 32 values of `value`, the result in every lane (butterfly
+// shuffles: the same order in every lane).
+template <typename Op>
+__device__ __forceinline__ float WarpReduce(float value, Op op) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  }
+  return value;
+}
+
 // 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp, denormal results flushed to 0,
 // 2^-inf = 0): softmax weights with the logits kept in log2 units cost one instruction each.
 constexpr float kLog2e = 1.4426950408889634f;
