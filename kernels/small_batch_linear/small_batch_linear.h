@@ -45,9 +45,9 @@ inline ffi::Error Check(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                         int32_t silu_gate, Shapes& shapes) {
   XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "x", x, 2));
   const ffi::DataType dtype = x.element_type();
-  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
-    return ArgumentError(kTarget, "x", "dtype f16 or bf16", std::string("dtype ") +
-                                                                DTypeName(dtype));
+  if (!contract::Contains(kDTypes, static_cast<int64_t>(dtype))) {
+    return ArgumentError(kTarget, "x", "dtype f16 or bf16",
+                         std::string("dtype ") + DTypeName(dtype));
   }
   XLA_EXT_RETURN_IF_ERROR(CheckRank(kTarget, "weight", weight, 2));
   XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "weight", weight, dtype));
