@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_bench  # noqa: E402
-from gpu_trace import captured_graph  # noqa: E402
+import gpu_trace  # noqa: E402
 
 import torch_xla_ext  # noqa: E402,F401  (registers torch.ops.xla_ext.*)
 from torch_xla_ext import sample_inputs  # noqa: E402
@@ -94,16 +94,7 @@ def xla_seconds(data, reps, head_size):
 
 def graph_seconds(fn, reps):
     """GPU time per call: CUDA-graph replay of CHAIN calls of fn."""
-    graph = captured_graph(fn, CHAIN)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / CHAIN
+    return gpu_trace.graph_seconds(fn, CHAIN, reps)
 
 
 def eager_seconds(fn, reps):

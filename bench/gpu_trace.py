@@ -67,6 +67,25 @@ def captured_graph(call, calls):
     return graph
 
 
+def graph_seconds(call, calls, reps):
+    """GPU seconds per call of call(): `calls` calls captured in a CUDA graph (launched one by
+    one, calls of a few microseconds would time the host), the median of `reps` replays."""
+    import statistics
+
+    import torch
+
+    graph = captured_graph(call, calls)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / calls
+
+
 def print_graph_timeline(call, calls, label):
     """Replays `calls` calls of call(), captured in a CUDA graph, once under the trace and
     prints every GPU event's start and end (µs from the first start): the calls back to back

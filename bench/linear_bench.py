@@ -15,13 +15,12 @@ measured eagerly (bytes read + written) in the same run.
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import torch_xla_ext  # noqa: F401  (torch.ops.xla_ext)
-from bench.gpu_trace import captured_graph, copy_gbps
+from bench.gpu_trace import copy_gbps, graph_seconds
 
 # (model, projection, weight rows, in_features, form)
 LAYERS = [
@@ -39,18 +38,8 @@ TOKENS = [1, 8, 16, 32, 64]
 
 
 def time_us(fn, calls=100, repeats=5):
-    """GPU time per call of fn: `calls` calls captured in one CUDA graph (launched one by one,
-    a call of a few microseconds would time the host), the median of `repeats` replays."""
-    graph = captured_graph(fn, calls)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    """GPU µs per call of fn (gpu_trace.graph_seconds: calls captured in a CUDA graph)."""
+    return graph_seconds(fn, calls, repeats) * 1e6
 
 
 def cycling(tensors):
