@@ -51,6 +51,21 @@ def to_torch(x):
     return torch.from_numpy(array.copy())
 
 
+# A dtype's unit in the last place relative to a value's magnitude: a rounding moves a value by
+# half of it at most.
+RELATIVE_ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def assert_within_ulps(got, want, ulps=1):
+    """got has want's dtype and shape and is within `ulps` units in the last place of want,
+    taken at want's largest magnitude (at least 1): for kernels that sum in float32 in another
+    order than the reference."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    scale = max(float(want.double().abs().max()) if want.numel() else 0.0, 1.0)
+    torch.testing.assert_close(got.double(), want.double(),
+                               atol=ulps * RELATIVE_ULP[want.dtype] * scale, rtol=0)
+
+
 def assert_close(actual, expected, dtype):
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(to_torch(actual).double(), expected.double(), atol=atol, rtol=rtol)

@@ -41,7 +41,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests import reference  # noqa: E402
-from tests.kernels.common import CACHE_DTYPES, DTYPES, TOLERANCES, to_jax, to_torch  # noqa: E402
+from tests.kernels.common import (CACHE_DTYPES, DTYPES, TOLERANCES, assert_within_ulps,  # noqa: E402
+                                  to_jax, to_torch)
 from torch_xla_ext import checks, op_catalog, sample_inputs  # noqa: E402
 from torch_xla_ext import jax_ops as xla_ext_jax  # noqa: E402
 from torch_xla_ext.errors import TorchXlaExtError  # noqa: E402
@@ -432,14 +433,13 @@ def test_add_rms_norm_matches_reference(dtype, num_tokens, hidden, eps, seed):
                 weight=randn((hidden,), dtype, gen), eps=eps)
     op = OPS["add_rms_norm"]
     want_total, want_normed = reference.add_rms_norm_ref(**args)
-    # The sum bit for bit; the normed row within a rounding of the dtype (16 of float32's: the
-    # squares summed in another order) relative to its largest value.
-    ulp = {torch.float32: 2.0 ** -18, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
-    tol = ulp * max(float(want_normed.double().abs().max()) if want_normed.numel() else 0, 1.0)
+    # The sum bit for bit; the normed row within a rounding of the dtype (32 units in the last
+    # place of float32: the squares summed in another order) at its largest value.
+    ulps = 32 if dtype == torch.float32 else 1
     for total, normed in [run_jax(op, args, mode) for mode in ("jax", "jit", "handler")] + \
             [run_torch(op, args)]:
         assert_same_bits(total, want_total)
-        torch.testing.assert_close(normed.double(), want_normed.double(), atol=tol, rtol=0)
+        assert_within_ulps(normed, want_normed, ulps)
 
 
 @st.composite
@@ -465,13 +465,11 @@ def linear_inputs(draw):
 def test_small_batch_linear_matches_reference(args):
     op = OPS["small_batch_linear"]
     want = reference.small_batch_linear_ref(**args)
-    # Two roundings of the dtype relative to the largest output: float32 sums in another order.
-    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[want.dtype]
-    tol = ulp * max(float(want.double().abs().max()) if want.numel() else 0.0, 1.0)
+    # Two roundings of the dtype (one unit in the last place) at the largest output: float32
+    # sums in another order.
     for got in [run_jax(op, args, mode)[0] for mode in ("jax", "jit", "handler")] + \
             run_torch(op, args):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=0)
+        assert_within_ulps(got, want)
 
 
 FP8 = torch.float8_e4m3fn

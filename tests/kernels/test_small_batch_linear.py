@@ -9,14 +9,13 @@ import pytest
 import torch
 
 from tests import reference
-from tests.kernels.common import PLATFORM, to_jax, to_torch
+from tests.kernels.common import PLATFORM, assert_within_ulps, to_jax, to_torch
 from torch_xla_ext import jax_ops as xla_ext_jax
 from torch_xla_ext.errors import TorchXlaExtError
 
 DTYPES = [torch.float16, torch.bfloat16]
-# Two roundings of the dtype (the product's, then the residual's sum or the gate's), relative
-# to the largest output: the kernels sum in float32 in another order than the reference.
-TWO_ROUNDINGS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+# Results are held to two roundings of the dtype (the product's, then the residual's sum or the
+# gate's): one unit in the last place (assert_within_ulps).
 
 
 def make_inputs(num_tokens, in_features, weight_rows, dtype, residual=False, seed=0):
@@ -25,12 +24,6 @@ def make_inputs(num_tokens, in_features, weight_rows, dtype, residual=False, see
     weight = (torch.randn(weight_rows, in_features, generator=gen) / 8).to(dtype)
     res = torch.randn(num_tokens, weight_rows, generator=gen).to(dtype) if residual else None
     return x, weight, res
-
-
-def assert_within_roundings(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    tol = TWO_ROUNDINGS[want.dtype] * max(float(want.double().abs().max()), 1.0)
-    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=0)
 
 
 def run_jax(x, weight, residual=None, silu_gate=0, jit=True):
@@ -59,13 +52,13 @@ def test_matches_reference(num_tokens, in_features, weight_rows, dtype, form):
                                       residual=form == "residual")
     gate = int(form == "silu_gate")
     want = reference.small_batch_linear_ref(x, weight, residual, gate)
-    assert_within_roundings(run_jax(x, weight, residual, gate), want)
+    assert_within_ulps(run_jax(x, weight, residual, gate), want)
     device = "cpu" if PLATFORM == "cpu" else "cuda"
     if device == "cpu" or torch.cuda.is_available():  # torch's eager op, on the same platform
         got = torch.ops.xla_ext.small_batch_linear(
             x.to(device), weight.to(device), None if residual is None else residual.to(device),
             gate)
-        assert_within_roundings(got.cpu(), want)
+        assert_within_ulps(got.cpu(), want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -78,7 +71,7 @@ def test_views_not_16_byte_aligned_on_cuda(form):
     w_storage = torch.cat([torch.zeros(1, dtype=x.dtype), weight.flatten()]).cuda()
     got = torch.ops.xla_ext.small_batch_linear(x_storage[1:].view(9, 64),
                                                w_storage[1:].view(48, 64), None, gate)
-    assert_within_roundings(got.cpu(), reference.small_batch_linear_ref(x, weight, None, gate))
+    assert_within_ulps(got.cpu(), reference.small_batch_linear_ref(x, weight, None, gate))
 
 
 def test_zero_tokens_and_zero_in_features():
