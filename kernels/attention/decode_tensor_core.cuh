@@ -281,6 +281,40 @@ __device__ __forceinline__ void FillRow(const Params& p, int64_t row, float valu
   for (int i = threadIdx.x; i < vectors; i += blockDim.x) dst[i] = vector;
 }
 
+// Phase stamps, for bench/decode_latency_probe.cu only: built with
+// -DXLA_EXT_DECODE_PHASE_STAMPS, the kernel records in phase_stamps, for each CTA of kv-head
+// group 0, the SM clock (clock64) at each phase below less its value at the CTA's entry, and
+// the entry's %globaltimer (ns). Consumer phases are warp 0's (kv head 0), lane 0. Without the
+// macro the stamps compile to nothing.
+enum StampPhase : int {
+  kStampWaited,        // the previous grid has finished (or the batch does not wait)
+  kStampLocated,       // the CTA knows its range of stages
+  kStampTableRead,     // the producer has its first stage's block-table entries
+  kStampCopiesIssued,  // ... has issued that stage's copies, and has the next stage's entries
+  kStampFirstFull,     // the first stage's bytes have landed (consumer)
+  kStampFirstStage,    // its first stage is done (the query loaded, S, softmax, P V)
+  kStampStagesDone,    // every stage is done
+  kStampCounted,       // its last piece's records are stored and counted in (fused combine)
+  kStampMerged,        // it merged a split sequence (the last piece to count in only)
+  kStampExit,
+  kStampEntryNs,       // the entry's %globaltimer
+  kStampSlots
+};
+#ifdef XLA_EXT_DECODE_PHASE_STAMPS
+constexpr int kMaxStampedCtas = 2048;
+__device__ long long phase_stamps[kMaxStampedCtas][kStampSlots];
+#define XLA_EXT_DECODE_STAMP(condition, phase)                              \
+  do {                                                                      \
+    if ((condition) && blockIdx.y == 0 && blockIdx.x < kMaxStampedCtas) {  \
+      phase_stamps[blockIdx.x][phase] = clock64() - stamp_entry;            \
+    }                                                                       \
+  } while (false)
+#else
+#define XLA_EXT_DECODE_STAMP(condition, phase) \
+  do {                                         \
+  } while (false)
+#endif
+
 // kHighRows: the GQA group has more than 8 heads, so rows 8-15 of the MMA tiles are used.
 // (At least 1 CTA per SM is said explicitly: without it ptxas gave the head_size 256, kHighRows
 // kernel 32 registers and 4.6 KB of spills.)
@@ -291,6 +325,15 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   namespace sm90 = cuda::sm90;
   constexpr int kSteps = kHeadSize / 16;  // k16 steps of Q K^T
   constexpr int kTiles = kHeadSize / 8;   // n8 tiles of O
+#ifdef XLA_EXT_DECODE_PHASE_STAMPS
+  const long long stamp_entry = clock64();
+  if (threadIdx.x == 0 && blockIdx.y == 0 && blockIdx.x < kMaxStampedCtas) {
+    long long now_ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_ns));
+    for (int phase = 0; phase < kStampEntryNs; ++phase) phase_stamps[blockIdx.x][phase] = -1;
+    phase_stamps[blockIdx.x][kStampEntryNs] = now_ns;
+  }
+#endif
   extern __shared__ __align__(16) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // a stage's bytes have landed
   uint64_t* empty = full + kMaxStages;                   // every consumer is done with it
@@ -316,6 +359,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   // memory only after it has finished, unless the batch runs beside it (then every exit waits
   // for it, so that this grid ends after it: the kernels behind this one wait for this one).
   if constexpr (Batch::kWaitsBeforeReading) sm90::WaitForPrerequisiteGrid();
+  XLA_EXT_DECODE_STAMP(threadIdx.x == 0, kStampWaited);
   const auto finish = [] {
     if constexpr (!Batch::kWaitsBeforeReading) sm90::WaitForPrerequisiteGrid();
   };
@@ -327,6 +371,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
       schedule_scratch, [&](int units) {
         return active_ctas = batch.ActiveCtas(p, units, schedule_scratch);
       });
+  XLA_EXT_DECODE_STAMP(threadIdx.x == 0, kStampLocated);
   if constexpr (Batch::kFillsOtherRows) {
     // The output rows no sequence of this grid writes (the batch says which, and what).
     batch.ForEachOtherRow(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y,
@@ -396,6 +441,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
       return rows;
     };
     RunRows rows = run_rows();
+    XLA_EXT_DECODE_STAMP(lane == 0 && rows.first >= 0, kStampTableRead);
     for (int iter = 0; iter < num_iters; ++iter) {
       const int slot = iter % num_stages;
       const StageInfo info{walk.seq, first_token(), walk.length,
@@ -455,6 +501,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
       if (prefetch_bytes > 0 && (next.tokens & 1u) && (run * run_tokens) % prefetch_run == 0) {
         sm90::PrefetchToL2(cache + next.first, prefetch_bytes);
       }
+      XLA_EXT_DECODE_STAMP(lane == 0 && iter == 0, kStampCopiesIssued);
       rows = next;
     }
     finish();
@@ -513,11 +560,14 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
     __syncwarp();
     int arrived = 0;
     if (lane == 0) arrived = atomicAdd(arrivals, 1);
-    if (__shfl_sync(0xffffffffu, arrived, 0) != pieces - 1) return;
+    const bool last = __shfl_sync(0xffffffffu, arrived, 0) == pieces - 1;
+    XLA_EXT_DECODE_STAMP(threadIdx.x == 0, kStampCounted);
+    if (!last) return;
     if (lane == 0) *arrivals = 0;  // every piece of this call has counted: the next call's
     __threadfence();               // the other pieces' records, after their counts
     MergeSplitSequence<T, kHeadSize>(p, batch.Row(p, seq), first_head, group,
                                      int64_t{first_cta} + seq, pieces);
+    XLA_EXT_DECODE_STAMP(threadIdx.x == 0, kStampMerged);
   };
 
   // Writes this CTA's piece of `seq`: the output itself when the piece is the whole sequence,
@@ -585,6 +635,7 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   for (int iter = 0; iter < num_iters; ++iter) {
     const int slot = iter % num_stages;
     sm90::WaitParity(sm90::SharedAddress(&full[slot]), (iter / num_stages) & 1);
+    XLA_EXT_DECODE_STAMP(threadIdx.x == 0 && iter == 0, kStampFirstFull);
     const StageInfo info = stage_infos[slot];
     const uint32_t valid = valid_masks[slot];
     if (info.seq != seq) {
@@ -694,12 +745,15 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
 
     // This thread is done with the buffer; the producer refills it once every consumer is.
     sm90::Arrive(sm90::SharedAddress(&empty[slot]));
+    XLA_EXT_DECODE_STAMP(threadIdx.x == 0 && iter == 0, kStampFirstStage);
   }
+  XLA_EXT_DECODE_STAMP(threadIdx.x == 0, kStampStagesDone);
 
   // The combine kernel may start launching (it waits for this grid to finish).
   sm90::LaunchDependents();
   write_piece(seq, piece_from_start && piece_to_end);
   finish();
+  XLA_EXT_DECODE_STAMP(threadIdx.x == 0, kStampExit);
 #else
   __trap();  // launched only on sm_90 and newer (see Supported)
 #endif

@@ -91,6 +91,14 @@
 #                        or norm (XLA's add and norm fusions, then add_rms_norm): the step times
 #                        and the first layer's kernels of each, appended to
 #                        <gpu>-layer-ops-tests.txt
+#   decode_latency: bench/decode_latency_probe.cu (the ragged op's decode-only attention call
+#             launched from CUDA alone), built plain and with the kernel's phase stamps (and
+#             plain against .ab/$DECODE_LATENCY_BASE's kernel sources, if set), at B = 1, 16, 64
+#             (DECODE_LATENCY_BATCHES) and each of DECODE_LATENCY_MIN_STAGES (the fewest stages
+#             per CTA; DECODE_LATENCY_SETTINGS adds a plain probe per setting of the decode
+#             kernel's tuning knobs, DECODE_LATENCY_STAMPS=0 leaves the stamped probe out,
+#             DECODE_LATENCY_ARGS adds probe arguments, NVCC_EXTRA_FLAGS compiler flags)
+#             -> <gpu>-decode-latency.txt
 #   ncu_mixes: Nsight Compute on the attention and combine kernels of the decode mixes short of
 #             their targets (bench/profile_paged_attention.py --mix) -> <gpu>-ncu-mixes.txt
 set -uo pipefail
@@ -114,6 +122,7 @@ TESTS="$OUT/$GPU-tests.txt"
 [[ $PHASE == tp ]] && TESTS="$OUT/$GPU-serving-tp-summary.txt"
 [[ $PHASE == serving_ab ]] && TESTS="$OUT/$GPU-serving-ab.txt"
 [[ $PHASE == layer_ops ]] && TESTS="$OUT/$GPU-layer-ops-tests.txt"
+[[ $PHASE == decode_latency ]] && TESTS="$OUT/$GPU-decode-latency.txt"
 if [[ $PHASE == sanitize ]]; then  # its tools, if named, name its file: <gpu>-sanitize-TOOL...
   shift
   SANITIZERS=("$@")
@@ -296,6 +305,50 @@ if [[ $PHASE == layer_ops ]]; then
     *) step "layer_ops: LAYER_OPS_PART must name parts: kernels, bench, serving; got '$LAYER_OPS_PART'"
        exit 2 ;;
   esac
+  done
+  step "done, status $status"
+  exit $status
+fi
+if [[ $PHASE == decode_latency ]]; then
+  # bench/decode_latency_probe.cu, built plain and with the kernel's phase stamps (and plain
+  # against the kernel sources of the ab_kernels.sh variant .ab/$DECODE_LATENCY_BASE, if named),
+  # at each of DECODE_LATENCY_BATCHES (default 1 16 64) with 2k contexts and 64 slots, and each
+  # of DECODE_LATENCY_MIN_STAGES (XLA_EXT_DECODE_MIN_CTA_STAGES; default: the kernel's).
+  nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+  probe_flags=(-std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
+               -I . -I .devbuild/include -isystem .devbuild/ffi_include ${NVCC_EXTRA_FLAGS:-})
+  mkdir -p .devbuild/include && ln -sfn "$PWD/kernels/registry" .devbuild/include/xla_ext
+  step "build: bench/decode_latency_probe.cu, plain and stamped${DECODE_LATENCY_BASE:+, and against .ab/$DECODE_LATENCY_BASE}"
+  probes=(decode_probe decode_probe_stamped)
+  [[ ${DECODE_LATENCY_STAMPS:-1} == 0 ]] && probes=(decode_probe)
+  "$nvcc" "${probe_flags[@]}" bench/decode_latency_probe.cu -o /tmp/decode_probe && \
+    "$nvcc" "${probe_flags[@]}" -DXLA_EXT_DECODE_PHASE_STAMPS bench/decode_latency_probe.cu \
+      -o /tmp/decode_probe_stamped || { step "build failed"; exit 1; }
+  # DECODE_LATENCY_SETTINGS: knob settings of kernels/common/tuning.h (as
+  # tune_paged_attention.sh's SETTINGS, e.g. "SHARED_KB=227 MIN_CONSUMER_WARPS_PER_SM=16"), one
+  # plain probe each.
+  for setting in ${DECODE_LATENCY_SETTINGS:-}; do
+    flags=()
+    for knob in ${setting//,/ }; do flags+=("-DXLA_EXT_PAGED_ATTENTION_$knob"); done
+    # (nvcc's fatbinary splits an output path at commas)
+    "$nvcc" "${probe_flags[@]}" "${flags[@]}" bench/decode_latency_probe.cu \
+      -o "/tmp/decode_probe_${setting//,/+}" || { step "build failed: $setting"; exit 1; }
+    probes+=("decode_probe_${setting//,/+}")
+  done
+  if [[ -n ${DECODE_LATENCY_BASE:-} ]]; then
+    "$nvcc" -I ".ab/$DECODE_LATENCY_BASE" "${probe_flags[@]}" bench/decode_latency_probe.cu \
+      -o "/tmp/decode_probe_$DECODE_LATENCY_BASE" || { step "build failed"; exit 1; }
+    probes=("decode_probe_$DECODE_LATENCY_BASE" "${probes[@]}")
+  fi
+  for batch in ${DECODE_LATENCY_BATCHES:-1 16 64}; do
+    for stages in ${DECODE_LATENCY_MIN_STAGES:-default}; do
+      for probe in "${probes[@]}"; do
+        step "$probe --batch $batch ${DECODE_LATENCY_ARGS:-}, min CTA stages: $stages"
+        # shellcheck disable=SC2086
+        XLA_EXT_DECODE_MIN_CTA_STAGES=${stages/default/} "/tmp/$probe" --batch "$batch" \
+          ${DECODE_LATENCY_ARGS:-} 2>&1 | tee -a "$TESTS" || status=1
+      done
+    done
   done
   step "done, status $status"
   exit $status
