@@ -629,6 +629,11 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
   const int k_lane = token_at(2 * (lane % 8) + j / 2) + (j % 2) * 8 * sizeof(T);
   const int v_lane = token_at(2 * (lane % 8) + j % 2) + (j / 2) * 8 * sizeof(T);
 
+  // The range's first sequence's query rows, loaded while its first stage's K/V are on their
+  // way (loaded at the stage, they were one more round trip between the copy and the first
+  // product).
+  load_query(range.first_seq);
+  int query_seq = range.first_seq;
   int seq = -1;             // the sequence of the piece in progress
   bool piece_from_start = false;  // it began with the sequence's first stage
   bool piece_to_end = false;      // its last stage so far is the sequence's last
@@ -646,7 +651,10 @@ __global__ void __launch_bounds__((kMaxKvHeadsPerCta + 1) * 32, 1)
           range.begin + iter -
           (info.first_token / kStageTokens - SkippedStages(p.window, info.seq_len));
       piece_from_start = (info.flags & kFirstStage) != 0;
-      load_query(seq);
+      if (seq != query_seq) {
+        load_query(seq);
+        query_seq = seq;
+      }
       reset();
     }
     piece_to_end = (info.flags & kLastStage) != 0;
