@@ -91,8 +91,12 @@ static_assert(kHeaderBytes % 16 == 0, "stage buffers start 16-byte aligned");
 // anyway (a CTA without every kv head) or blocks are shorter than 4 tokens. On the H100, runs
 // of 4 of paged_attention's 1 KB K (and V) rows, head_dim 64 and 8 kv heads, 64 x 2048, took
 // 98.5 us against 109.2 with pairs (91% of copy bandwidth against 82%); runs of 4 of the ragged
-// op's 2 KB (K, V) rows, 8 KB copies, were no faster than pairs (1B step shape 109.3 us against
-// 106.5, the TP=2 shard 105.7 both), so the default threshold, 4 KB, keeps those in pairs.
+// op's 2 KB (K, V) rows, 8 KB copies, were no faster than pairs there (1B step shape 109.3 us
+// against 106.5). On the H200, whose bandwidth is 1.4x the H100's at the same SM clock, they
+// are: the 1B model's decode-only call at B=64 took 87.1 us against 90.8 with pairs, at B=16
+// 27.5 against 28.3, at B=1 level (bench/decode_latency_probe.cu, one lease), and
+// paged_attention's mixes with 2 KB rows (head_dim 128) were level or up to 2% faster; so the
+// default threshold is 8 KB.
 // The padding puts the runs' starts in distinct 16-byte bank groups (their stride is an odd
 // multiple of 16 modulo 128), so with R = 2 the consumers' ldmatrix rows, 8 even or 8 odd tokens
 // (an S tile's 8 columns are the stage's even tokens or its odd ones), fall in distinct banks;

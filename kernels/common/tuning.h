@@ -22,7 +22,7 @@
 #define XLA_EXT_PAGED_ATTENTION_SHARED_KB 200
 #endif
 #ifndef XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES  // bytes a token run's copy should reach (0: pairs)
-#define XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES 4096
+#define XLA_EXT_PAGED_ATTENTION_MIN_COPY_BYTES 8192
 #endif
 // The fewest 16-token stages a CTA takes (decode_tensor_core.cuh says why).
 #ifndef XLA_EXT_PAGED_ATTENTION_MIN_CTA_STAGES
