@@ -74,6 +74,8 @@ KINDS = {
     "dispatch-command-buffers": "`tools/device/run.sh bench`: bench/dispatch_command_buffers.py",
     "dispatch-record-probe": "`tools/device/run.sh bench`: bench/record_probe/probe.py --trace",
     "ncu": "`tools/device/run.sh bench`: Nsight Compute on paged attention, B=32, L=4096",
+    "decode-latency": "`tools/device/run.sh decode_latency`: bench/decode_latency_probe.cu, the "
+                      "decode-only attention call's time and its CTAs' phase stamps",
     "ncu-mixes": "`tools/device/run.sh ncu_mixes`: Nsight Compute on five decode mixes",
     "ncu-ragged": "`tools/device/run.sh ncu_ragged`: Nsight Compute on the ragged kernels",
     r"ncu-ragged-sass-(?P<table>[0-9]+)": "`NCU_SASS=1 tools/device/run.sh ncu_ragged`: SASS table",
@@ -700,7 +702,7 @@ LOGS = [("tests", "txt"), ("decode-tests", "txt"), ("ragged-tests", "txt"),
         ("torch-xla-gpu", "txt"), ("torch-xla-gpu-tests", "txt"), ("torch-xla-legacy", "txt"),
         ("torch-xla-failures", "txt"), ("serving-summary", "txt"), ("serving-ab", "txt"),
         ("layer-ops-tests", "txt")]
-PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"),
+PROFILES = [("ncu", "txt"), ("ncu-mixes", "txt"), ("ncu-ragged", "txt"), ("decode-latency", "txt"),
             (r"ncu-ragged-sass-(?P<table>[0-9]+)", "csv"), ("dispatch-record-probe", "txt"),
             ("torch-xla-step-profile", "txt"), ("serving", "txt"), ("serving-timeline", "txt"),
             ("serving-tp-timeline", "txt")]
