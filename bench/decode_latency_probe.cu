@@ -83,6 +83,11 @@ int IntFlag(int argc, char** argv, const char* name, int fallback) {
 int main(int argc, char** argv) {
   const int batch = IntFlag(argc, argv, "--batch", 1);
   const int length = IntFlag(argc, argv, "--length", 2048);
+  if (batch < 1 || length < 1) {
+    std::fprintf(stderr, "--batch and --length: expected at least 1, got %d and %d\n", batch,
+                 length);
+    return 2;
+  }
   const int max_num_seqs = std::max(IntFlag(argc, argv, "--max-num-seqs", 64), batch);
   const int padding_rows = IntFlag(argc, argv, "--padding-rows", batch < 16 ? 16 - batch : 0);
   const int pages_per_seq = (length + kPageSize - 1) / kPageSize;
@@ -91,10 +96,6 @@ int main(int argc, char** argv) {
   const int copies = std::max(
       1, IntFlag(argc, argv, "--copies",
                  static_cast<int>(std::min<int64_t>(64, (256 << 20) / cache_bytes_per_copy + 1))));
-  if (batch < 1 || length < 1) {
-    std::fprintf(stderr, "--batch and --length: expected at least 1\n");
-    return 2;
-  }
   const int num_tokens = batch + padding_rows;
   const int num_pages = copies * batch * pages_per_seq;
   const int64_t slot_elements = int64_t{2} * kKvHeads * kHeadSize;
