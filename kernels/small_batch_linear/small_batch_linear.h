@@ -67,29 +67,27 @@ inline ffi::Error Check(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                          "shape " + ShapeString(wd));
   }
   const int64_t out_features = silu_gate == 1 ? wd[0] / 2 : wd[0];
+  // residual and out: x's dtype, one row of out_features per token.
+  const auto check_rows = [&](const char* name, const ffi::AnyBuffer& rows) -> ffi::Error {
+    XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, name, rows, dtype));
+    const auto rd = rows.dimensions();
+    if (rd.size() != 2 || rd[0] != xd[0] || rd[1] != out_features) {
+      return ArgumentError(kTarget, name,
+                           "shape [" + std::to_string(xd[0]) + ", " +
+                               std::to_string(out_features) + "] (num_tokens, out_features)",
+                           "shape " + ShapeString(rd));
+    }
+    return ffi::Error::Success();
+  };
   const bool has_residual = residual.element_count() > 0;
   if (has_residual) {
     if (silu_gate == 1) {
       return ArgumentError(kTarget, "residual", "none with silu_gate",
                            "shape " + ShapeString(residual.dimensions()));
     }
-    XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "residual", residual, dtype));
-    const auto rd = residual.dimensions();
-    if (rd.size() != 2 || rd[0] != xd[0] || rd[1] != out_features) {
-      return ArgumentError(kTarget, "residual",
-                           "shape [" + std::to_string(xd[0]) + ", " +
-                               std::to_string(out_features) + "] (num_tokens, out_features)",
-                           "shape " + ShapeString(rd));
-    }
+    XLA_EXT_RETURN_IF_ERROR(check_rows("residual", residual));
   }
-  XLA_EXT_RETURN_IF_ERROR(CheckDType(kTarget, "out", out, dtype));
-  const auto od = out.dimensions();
-  if (od.size() != 2 || od[0] != xd[0] || od[1] != out_features) {
-    return ArgumentError(kTarget, "out",
-                         "shape [" + std::to_string(xd[0]) + ", " +
-                             std::to_string(out_features) + "]",
-                         "shape " + ShapeString(od));
-  }
+  XLA_EXT_RETURN_IF_ERROR(check_rows("out", out));
   if (xd[0] > INT32_MAX || wd[0] > INT32_MAX || xd[1] > INT32_MAX) {
     return ArgumentError(kTarget, "weight", "fewer than 2^31 rows, tokens and in_features",
                          "shape " + ShapeString(wd) + " with x " + ShapeString(xd));
