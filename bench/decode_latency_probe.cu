@@ -193,33 +193,37 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaStreamSynchronize(stream));
     std::vector<T> got(q.size());
     CHECK_CUDA(cudaMemcpy(got.data(), out, got.size() * sizeof(T), cudaMemcpyDeviceToHost));
+    // Token t of sequence s in copy 0's table: its slot's first element (K of kv head 0).
+    const auto token_row = [&](int s, int t) {
+      const int64_t page = tables[0][int64_t{s} * pages_per_seq + t / kPageSize];
+      return (page * kPageSize + t % kPageSize) * slot_elements;
+    };
     double worst = 0.0;
     for (int s = 0; s < num_tokens; ++s) {
       if (s >= 4 && s < batch - 1) continue;  // the first 4 sequences, the last, the padding
       for (int h = 0; h < kHeads; ++h) {
         const int kv_head = h / (kHeads / kKvHeads);
-        std::vector<double> logits(s < batch ? length : 0);
+        const int64_t k_offset = 2 * kv_head * kHeadSize, v_offset = k_offset + kHeadSize;
+        std::vector<double> weights(s < batch ? length : 0);
         double top = -INFINITY;
-        for (int t = 0; t < static_cast<int>(logits.size()); ++t) {
-          const int64_t slot = int64_t{tables[0][int64_t{s} * pages_per_seq + t / kPageSize]} *
-                                   kPageSize + t % kPageSize;
+        for (int t = 0; t < static_cast<int>(weights.size()); ++t) {
           double dot = 0.0;
           for (int d = 0; d < kHeadSize; ++d) {
             dot += double(__bfloat162float(q[(int64_t{s} * kHeads + h) * kHeadSize + d])) *
-                   __bfloat162float(kv[slot * slot_elements + 2 * kv_head * kHeadSize + d]);
+                   __bfloat162float(kv[token_row(s, t) + k_offset + d]);
           }
-          logits[t] = dot * batch_params.score_scale;
-          top = std::max(top, logits[t]);
+          weights[t] = dot * batch_params.score_scale;  // the logit, until the loop below
+          top = std::max(top, weights[t]);
+        }
+        double den = 0.0;
+        for (double& w : weights) {
+          w = std::exp(w - top);
+          den += w;
         }
         for (int d = 0; d < kHeadSize; ++d) {
-          double num = 0.0, den = 0.0;
-          for (int t = 0; t < static_cast<int>(logits.size()); ++t) {
-            const int64_t slot = int64_t{tables[0][int64_t{s} * pages_per_seq + t / kPageSize]} *
-                                     kPageSize + t % kPageSize;
-            const double w = std::exp(logits[t] - top);
-            const int64_t v = slot * slot_elements + (2 * kv_head + 1) * kHeadSize + d;
-            num += w * __bfloat162float(kv[v]);
-            den += w;
+          double num = 0.0;
+          for (int t = 0; t < static_cast<int>(weights.size()); ++t) {
+            num += weights[t] * __bfloat162float(kv[token_row(s, t) + v_offset + d]);
           }
           const double want = den > 0.0 ? num / den : 0.0;  // rows of no sequence are zeros
           const double diff = std::fabs(

@@ -316,30 +316,29 @@ if [[ $PHASE == decode_latency ]]; then
   # of DECODE_LATENCY_MIN_STAGES (XLA_EXT_DECODE_MIN_CTA_STAGES; default: the kernel's).
   nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
   probe_flags=(-std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
-               -I . -I .devbuild/include -isystem .devbuild/ffi_include ${NVCC_EXTRA_FLAGS:-})
-  mkdir -p .devbuild/include && ln -sfn "$PWD/kernels/registry" .devbuild/include/xla_ext
+               -I . -isystem .devbuild/ffi_include ${NVCC_EXTRA_FLAGS:-})
+  probes=()
+  build_probe() {  # name, nvcc flags before the common ones (an -I goes first)...
+    local name=$1
+    shift
+    "$nvcc" "$@" "${probe_flags[@]}" bench/decode_latency_probe.cu -o "/tmp/$name" || {
+      step "build failed: $name"; exit 1; }
+    probes+=("$name")
+  }
   step "build: bench/decode_latency_probe.cu, plain and stamped${DECODE_LATENCY_BASE:+, and against .ab/$DECODE_LATENCY_BASE}"
-  probes=(decode_probe decode_probe_stamped)
-  [[ ${DECODE_LATENCY_STAMPS:-1} == 0 ]] && probes=(decode_probe)
-  "$nvcc" "${probe_flags[@]}" bench/decode_latency_probe.cu -o /tmp/decode_probe && \
-    "$nvcc" "${probe_flags[@]}" -DXLA_EXT_DECODE_PHASE_STAMPS bench/decode_latency_probe.cu \
-      -o /tmp/decode_probe_stamped || { step "build failed"; exit 1; }
+  [[ -n ${DECODE_LATENCY_BASE:-} ]] && \
+    build_probe "decode_probe_$DECODE_LATENCY_BASE" -I ".ab/$DECODE_LATENCY_BASE"
+  build_probe decode_probe
+  [[ ${DECODE_LATENCY_STAMPS:-1} == 0 ]] || \
+    build_probe decode_probe_stamped -DXLA_EXT_DECODE_PHASE_STAMPS
   # DECODE_LATENCY_SETTINGS: knob settings of kernels/common/tuning.h (as
   # tune_paged_attention.sh's SETTINGS, e.g. "SHARED_KB=227 MIN_CONSUMER_WARPS_PER_SM=16"), one
-  # plain probe each.
+  # plain probe each (named with '+' for ',': nvcc's fatbinary splits an output path at commas).
   for setting in ${DECODE_LATENCY_SETTINGS:-}; do
     flags=()
     for knob in ${setting//,/ }; do flags+=("-DXLA_EXT_PAGED_ATTENTION_$knob"); done
-    # (nvcc's fatbinary splits an output path at commas)
-    "$nvcc" "${probe_flags[@]}" "${flags[@]}" bench/decode_latency_probe.cu \
-      -o "/tmp/decode_probe_${setting//,/+}" || { step "build failed: $setting"; exit 1; }
-    probes+=("decode_probe_${setting//,/+}")
+    build_probe "decode_probe_${setting//,/+}" "${flags[@]}"
   done
-  if [[ -n ${DECODE_LATENCY_BASE:-} ]]; then
-    "$nvcc" -I ".ab/$DECODE_LATENCY_BASE" "${probe_flags[@]}" bench/decode_latency_probe.cu \
-      -o "/tmp/decode_probe_$DECODE_LATENCY_BASE" || { step "build failed"; exit 1; }
-    probes=("decode_probe_$DECODE_LATENCY_BASE" "${probes[@]}")
-  fi
   for batch in ${DECODE_LATENCY_BATCHES:-1 16 64}; do
     for stages in ${DECODE_LATENCY_MIN_STAGES:-default}; do
       for probe in "${probes[@]}"; do
